@@ -1,0 +1,109 @@
+//! Command-line entry: argument parsing, logging, error reporting and exit codes.
+
+use std::process::ExitCode;
+
+use clap::{ArgAction, Parser, Subcommand};
+use dflash_common::exit_code;
+
+use crate::commands;
+
+const AFTER_HELP: &str = "\
+Exit codes:
+  0  success
+  1  the command failed while working (I/O error, ...)
+  2  invalid arguments or input (the message names the option, file and line)
+
+Logging goes to stderr: -v for more detail, or RUST_LOG (e.g. RUST_LOG=dflash_orch=debug).";
+
+/// Plans and runs DFlash drafter training on one multi-GPU machine.
+#[derive(Debug, Parser)]
+#[command(name = "dflash-orch", version, after_help = AFTER_HELP)]
+pub struct Cli {
+    /// More log output on stderr (-v info, -vv debug, -vvv trace).
+    #[arg(short, long, action = ArgAction::Count, global = true)]
+    pub verbose: u8,
+
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Plan the batches of one epoch and show what they look like (buckets, padding, runs).
+    Plan(commands::plan::PlanArgs),
+}
+
+/// A failure of a command, with the exit code it maps to.
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    /// Bad arguments or bad input data: exit code 2.
+    #[error("{0}")]
+    Invalid(String),
+    /// The command failed while working: exit code 1.
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl CliError {
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        CliError::Io {
+            context: context.into(),
+            source,
+        }
+    }
+
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            CliError::Invalid(_) => exit_code::INVALID,
+            CliError::Io { .. } => exit_code::FAILURE,
+        }
+    }
+}
+
+impl From<crate::planner::PlanError> for CliError {
+    fn from(e: crate::planner::PlanError) -> Self {
+        CliError::Invalid(e.to_string())
+    }
+}
+
+fn init_logging(verbose: u8) {
+    use tracing_subscriber::EnvFilter;
+    let default = match verbose {
+        0 => "warn",
+        1 => "info",
+        2 => "debug",
+        _ => "trace",
+    };
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    // A second initialisation (in-process tests) is harmless: keep the first subscriber.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(ansi)
+        .try_init();
+}
+
+/// Runs a parsed command line.
+pub fn run(cli: Cli) -> Result<(), CliError> {
+    match cli.command {
+        Command::Plan(args) => commands::plan::run(args),
+    }
+}
+
+/// The binary's `main`: parse, log, run, map the outcome to an exit code.
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging(cli.verbose);
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(e.exit_code())
+        }
+    }
+}

@@ -1,0 +1,3 @@
+//! One module per `dflash-orch` subcommand.
+
+pub mod plan;

@@ -1,0 +1,11 @@
+//! dflash-orch: plans per-epoch batches and runs DFlash drafter training across worker processes.
+//!
+//! The binary is a thin shell over [`cli::run`]; everything else is a library so tests can drive it
+//! in-process.
+
+pub mod charts;
+pub mod cli;
+pub mod commands;
+pub mod fsutil;
+pub mod planner;
+pub mod workload;
