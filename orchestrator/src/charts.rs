@@ -80,7 +80,14 @@ pub fn plan_report_svg(
         let (first, last) = middle.split_horizontally(600);
         let shown = DETAIL_STEPS.min(seq.len());
         draw_steps(&first, &seq, 0, shown, labels.len(), "first")?;
-        draw_steps(&last, &seq, seq.len() - shown, seq.len(), labels.len(), "last")?;
+        draw_steps(
+            &last,
+            &seq,
+            seq.len() - shown,
+            seq.len(),
+            labels.len(),
+            "last",
+        )?;
 
         let (shares, efficiency) = bottom.split_horizontally(600);
         draw_shares(&shares, stats)?;
@@ -107,6 +114,7 @@ fn draw_mix(area: &Area<'_>, seq: &[usize], buckets: usize) -> Result<(), ChartE
     chart
         .configure_mesh()
         .disable_mesh()
+        .x_label_formatter(&|x| format!("{x:.0}"))
         .x_desc("step")
         .y_desc("share")
         .draw()
@@ -143,8 +151,11 @@ fn draw_legend(area: &Area<'_>, labels: &[String]) -> Result<(), ChartError> {
         .map_err(err)?;
     for (i, label) in labels.iter().enumerate() {
         let y = 62 + 20 * i as i32;
-        area.draw(&Rectangle::new([(8, y), (22, y + 12)], bucket_color(i).filled()))
-            .map_err(err)?;
+        area.draw(&Rectangle::new(
+            [(8, y), (22, y + 12)],
+            bucket_color(i).filled(),
+        ))
+        .map_err(err)?;
         area.draw(&Text::new(label.as_str(), (28, y), (FONT, 13)))
             .map_err(err)?;
     }
@@ -165,13 +176,17 @@ fn draw_steps(
         .margin(10)
         .x_label_area_size(30)
         .y_label_area_size(45)
-        .build_cartesian_2d(from as f64..to.max(from + 1) as f64, 0f64..buckets as f64)
+        .build_cartesian_2d(
+            from as f64..to.max(from + 1) as f64,
+            -0.5f64..buckets as f64 - 0.5,
+        )
         .map_err(err)?;
     chart
         .configure_mesh()
         .disable_x_mesh()
-        .y_labels(buckets.min(16) + 1)
-        .y_label_formatter(&|y| format!("{}", *y as i64))
+        .y_labels(buckets.min(16))
+        .y_label_formatter(&|y| format!("{y:.0}"))
+        .x_label_formatter(&|x| format!("{x:.0}"))
         .x_desc("step")
         .y_desc("bucket")
         .draw()
@@ -180,7 +195,7 @@ fn draw_steps(
         .draw_series((from..to).map(|s| {
             let b = seq[s];
             Rectangle::new(
-                [(s as f64, b as f64 + 0.1), (s as f64 + 0.9, b as f64 + 0.9)],
+                [(s as f64, b as f64 - 0.4), (s as f64 + 0.9, b as f64 + 0.4)],
                 bucket_color(b).filled(),
             )
         }))
@@ -198,17 +213,20 @@ fn draw_shares(area: &Area<'_>, stats: &PlanStats) -> Result<(), ChartError> {
         .max(0.05)
         * 1.1;
     let mut chart = ChartBuilder::on(area)
-        .caption("Share per bucket: batches (solid) vs samples (light)", (FONT, 15))
+        .caption(
+            "Share per bucket: batches (solid) vs samples (light)",
+            (FONT, 15),
+        )
         .margin(10)
         .x_label_area_size(30)
         .y_label_area_size(45)
-        .build_cartesian_2d(0f64..k as f64, 0f64..top)
+        .build_cartesian_2d(-0.5f64..k as f64 - 0.5, 0f64..top)
         .map_err(err)?;
     chart
         .configure_mesh()
         .disable_x_mesh()
-        .x_labels(k.min(16) + 1)
-        .x_label_formatter(&|x| format!("{}", *x as i64))
+        .x_labels(k.min(16))
+        .x_label_formatter(&|x| format!("{x:.0}"))
         .x_desc("bucket")
         .y_desc("share")
         .draw()
@@ -218,11 +236,11 @@ fn draw_shares(area: &Area<'_>, stats: &PlanStats) -> Result<(), ChartError> {
             let x = i as f64;
             [
                 Rectangle::new(
-                    [(x + 0.1, 0.0), (x + 0.5, b.batch_share)],
+                    [(x - 0.4, 0.0), (x, b.batch_share)],
                     bucket_color(i).filled(),
                 ),
                 Rectangle::new(
-                    [(x + 0.5, 0.0), (x + 0.9, b.sample_share)],
+                    [(x, 0.0), (x + 0.4, b.sample_share)],
                     bucket_color(i).mix(0.35).filled(),
                 ),
             ]
@@ -244,13 +262,13 @@ fn draw_efficiency(area: &Area<'_>, stats: &PlanStats) -> Result<(), ChartError>
         .margin(10)
         .x_label_area_size(30)
         .y_label_area_size(45)
-        .build_cartesian_2d(0f64..k as f64, 0f64..1f64)
+        .build_cartesian_2d(-0.5f64..k as f64 - 0.5, 0f64..1f64)
         .map_err(err)?;
     chart
         .configure_mesh()
         .disable_x_mesh()
-        .x_labels(k.min(16) + 1)
-        .x_label_formatter(&|x| format!("{}", *x as i64))
+        .x_labels(k.min(16))
+        .x_label_formatter(&|x| format!("{x:.0}"))
         .x_desc("bucket")
         .y_desc("real / padded tokens")
         .draw()
@@ -259,7 +277,7 @@ fn draw_efficiency(area: &Area<'_>, stats: &PlanStats) -> Result<(), ChartError>
         .draw_series(stats.buckets.iter().enumerate().map(|(i, b)| {
             let x = i as f64;
             Rectangle::new(
-                [(x + 0.15, 0.0), (x + 0.85, b.padding_efficiency)],
+                [(x - 0.35, 0.0), (x + 0.35, b.padding_efficiency)],
                 bucket_color(i).filled(),
             )
         }))

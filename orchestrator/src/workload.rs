@@ -123,7 +123,10 @@ mod tests {
 
     #[test]
     fn parses_good_lines() {
-        assert_eq!(parse_lengths(b"1\n 22 \r\n\n+3\n0").unwrap(), vec![1, 22, 3, 0]);
+        assert_eq!(
+            parse_lengths(b"1\n 22 \r\n\n+3\n0").unwrap(),
+            vec![1, 22, 3, 0]
+        );
         assert_eq!(parse_lengths(b"").unwrap(), Vec::<u32>::new());
     }
 
@@ -133,7 +136,10 @@ mod tests {
         assert_eq!(e.line, 3);
         assert!(e.to_string().contains("negative"), "{e}");
         let e = parse_lengths(b"1\n2.5\n").unwrap_err();
-        assert_eq!((e.line, e.to_string().contains("not a non-negative integer")), (2, true));
+        assert_eq!(
+            (e.line, e.to_string().contains("not a non-negative integer")),
+            (2, true)
+        );
         let e = parse_lengths(b"abc").unwrap_err();
         assert_eq!(e.line, 1);
         let e = parse_lengths(b"1\n99999999999\n").unwrap_err();

@@ -10,6 +10,8 @@ use super::{Bucket, PlanConfig, PlanError};
 
 /// Largest K accepted by `auto:K`.
 pub const AUTO_MAX_BUCKETS: u32 = 64;
+/// Most buckets an explicit list may define.
+pub const MAX_BUCKETS: usize = 1024;
 /// Samples the `auto:K` search packs (a uniform random subsample of the kept samples).
 const AUTO_SUBSAMPLE: usize = 32_768;
 /// Candidate boundaries the `auto:K` search considers (length quantiles).
@@ -80,6 +82,12 @@ impl BucketSpec {
                 if b.len() < 2 {
                     return Err(PlanError::Invalid(format!(
                         "invalid --buckets {self}: need at least two boundaries (e.g. 0,{max_len})"
+                    )));
+                }
+                if b.len() > MAX_BUCKETS + 1 {
+                    return Err(PlanError::Invalid(format!(
+                        "invalid --buckets: {} boundaries define more than {MAX_BUCKETS} buckets",
+                        b.len()
                     )));
                 }
                 if b[0] != 0 {
@@ -173,7 +181,7 @@ fn auto_boundaries(lengths: &[u32], k: usize, config: &PlanConfig) -> Vec<u32> {
     // subsample feeds every bucket (c_i, c_j] that holds the sample, each packing independently.
     let mut cost = vec![vec![0u64; m + 1]; m + 1];
     let mut packers = vec![PaddedPacker::new(config.token_budget); m + 1];
-    for i in 0..m {
+    for (i, row) in cost.iter_mut().enumerate().take(m) {
         let mut padded = vec![0u64; m + 1];
         packers.fill(PaddedPacker::new(config.token_budget));
         for (&len, &t) in sample.iter().zip(&interval) {
@@ -186,9 +194,9 @@ fn auto_boundaries(lengths: &[u32], k: usize, config: &PlanConfig) -> Vec<u32> {
                 }
             }
         }
-        for j in i + 1..=m {
-            let (count, max_len) = packers[j].open();
-            cost[i][j] = padded[j] + u64::from(count) * u64::from(max_len);
+        for ((cell, packer), pad) in row.iter_mut().zip(&packers).zip(&padded).skip(i + 1) {
+            let (count, max_len) = packer.open();
+            *cell = pad + u64::from(count) * u64::from(max_len);
         }
     }
     // best[t][j]: least cost of covering (0, c_j] with t buckets; from[t][j]: the previous cut.
@@ -238,8 +246,16 @@ mod tests {
     #[test]
     fn rejects_bad_boundaries() {
         let bad = |s: &str| s.parse::<BucketSpec>().unwrap().validate(8192).unwrap_err();
-        assert!(bad("0,100,100,8192").to_string().contains("strictly increasing"));
-        assert!(bad("0,500,100,8192").to_string().contains("strictly increasing"));
+        assert!(
+            bad("0,100,100,8192")
+                .to_string()
+                .contains("strictly increasing")
+        );
+        assert!(
+            bad("0,500,100,8192")
+                .to_string()
+                .contains("strictly increasing")
+        );
         assert!(bad("0,100,4096").to_string().contains("does not cover"));
         assert!(bad("10,100,8192").to_string().contains("must be 0"));
         assert!(bad("auto:0").to_string().contains("auto:0"));
@@ -256,7 +272,15 @@ mod tests {
     #[test]
     fn auto_separates_two_clusters() {
         // Half the samples near 100, half near 4000: two buckets must split between them.
-        let lengths: Vec<u32> = (0..4000).map(|i| if i % 2 == 0 { 90 + i % 20 } else { 3990 + i % 20 }).collect();
+        let lengths: Vec<u32> = (0..4000)
+            .map(|i| {
+                if i % 2 == 0 {
+                    90 + i % 20
+                } else {
+                    3990 + i % 20
+                }
+            })
+            .collect();
         let cfg = PlanConfig::default();
         let b = auto_boundaries(&lengths, 2, &cfg);
         assert_eq!(b.len(), 3);

@@ -156,7 +156,7 @@ fn spread(counts: &[u32], accum: usize, rng: &mut PlanRng) -> Vec<u16> {
     let mut in_window = vec![0u32; remaining.len()];
     let mut step = 0usize;
     while left > 0 {
-        if step % accum == 0 {
+        if step.is_multiple_of(accum) {
             in_window.fill(0);
         }
         step += 1;
@@ -249,11 +249,11 @@ fn stratified(counts: &[u32], accum: usize, rng: &mut PlanRng) -> Vec<u16> {
         for _ in 0..size {
             let mut pick = usize::MAX;
             let mut best = (false, 0u64, 0u64);
-            for b in 0..k {
-                if alloc[b] == 0 {
+            for (b, &n) in alloc.iter().enumerate() {
+                if n == 0 {
                     continue;
                 }
-                let key = (Some(b as u16) != prev, alloc[b], rng.next_u64());
+                let key = (Some(b as u16) != prev, n, rng.next_u64());
                 if key > best {
                     best = key;
                     pick = b;
@@ -281,7 +281,10 @@ mod tests {
     }
 
     fn max_run(seq: &[u16]) -> usize {
-        seq.chunk_by(|a, b| a == b).map(<[u16]>::len).max().unwrap_or(0)
+        seq.chunk_by(|a, b| a == b)
+            .map(<[u16]>::len)
+            .max()
+            .unwrap_or(0)
     }
 
     #[test]
@@ -303,7 +306,8 @@ mod tests {
         let seq = spread(&counts, 4, &mut rng);
         assert!(max_run(&seq) <= 3, "{}", max_run(&seq));
         // No homogeneous tail: the last 100 steps still mix buckets.
-        let tail: std::collections::BTreeSet<u16> = seq[seq.len() - 100..].iter().copied().collect();
+        let tail: std::collections::BTreeSet<u16> =
+            seq[seq.len() - 100..].iter().copied().collect();
         assert!(tail.len() >= 4, "{tail:?}");
     }
 

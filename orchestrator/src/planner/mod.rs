@@ -98,6 +98,9 @@ impl std::str::FromStr for OverlongPolicy {
     }
 }
 
+/// Longest `--max-len` accepted (1M tokens).
+pub const MAX_SUPPORTED_LEN: u32 = 1 << 20;
+
 /// Everything that determines a plan besides the lengths and the epoch.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PlanConfig {
@@ -136,6 +139,12 @@ impl PlanConfig {
     pub fn validate(&self) -> Result<(), PlanError> {
         if self.max_len == 0 {
             return Err(PlanError::Invalid("--max-len must be at least 1".into()));
+        }
+        if self.max_len > MAX_SUPPORTED_LEN {
+            return Err(PlanError::Invalid(format!(
+                "--max-len {} is above the supported {MAX_SUPPORTED_LEN}",
+                self.max_len
+            )));
         }
         if self.token_budget < u64::from(self.max_len) {
             return Err(PlanError::Invalid(format!(
@@ -235,6 +244,8 @@ pub struct Planner {
     buckets: Vec<Bucket>,
     /// Sample indices in frozen length order (`sorted` mode only).
     sorted_order: Vec<u32>,
+    /// Longest effective sample.
+    longest: u32,
     input_samples: usize,
     dropped_empty: usize,
     dropped_overlong: usize,
@@ -292,13 +303,14 @@ impl Planner {
             });
         }
 
+        let longest = effective.iter().copied().max().unwrap_or(0);
         let boundaries = match config.mode {
             Mode::Bucketed => config.buckets.resolve(&effective, &config),
             _ => vec![0, config.max_len],
         };
         let buckets = buckets::assign(&effective, &boundaries);
         let sorted_order = match config.mode {
-            Mode::Sorted => pack::length_order(&effective, config.max_len),
+            Mode::Sorted => pack::length_order(&effective, longest),
             _ => Vec::new(),
         };
         Ok(Self {
@@ -306,6 +318,7 @@ impl Planner {
             lengths: effective,
             buckets,
             sorted_order,
+            longest,
             input_samples: lengths.len(),
             dropped_empty,
             dropped_overlong,
@@ -389,7 +402,7 @@ impl Planner {
                     &order,
                     &self.lengths,
                     cfg.token_budget,
-                    cfg.max_len,
+                    self.longest,
                     &mut batches,
                     &mut samples,
                 );

@@ -11,9 +11,9 @@ use super::Batch;
 /// How many upcoming samples the varlen packer may choose from when filling a batch's last gap.
 pub const PACK_LOOKAHEAD: usize = 512;
 
-/// Kept samples (length > 0) in ascending (length, index) order: a counting sort, O(n + max_len).
-pub fn length_order(lengths: &[u32], max_len: u32) -> Vec<u32> {
-    let mut starts = vec![0usize; max_len as usize + 2];
+/// Kept samples (length > 0) in ascending (length, index) order: a counting sort, O(n + longest).
+pub fn length_order(lengths: &[u32], longest: u32) -> Vec<u32> {
+    let mut starts = vec![0usize; longest as usize + 2];
     for &len in lengths {
         if len > 0 {
             starts[len as usize + 1] += 1;
@@ -169,19 +169,20 @@ impl LengthIndex {
 
 /// Variable-length packing: real tokens per batch <= `budget`. Samples enter a look-ahead window of
 /// [`PACK_LOOKAHEAD`] in `order`; each batch takes the oldest pending sample while it fits, then
-/// fills the remaining gap with the largest pending sample that fits, until none does.
+/// fills the remaining gap with the largest pending sample that fits, until none does. `longest`
+/// bounds the lengths in `order`.
 pub fn pack_varlen(
     order: &[u32],
     lengths: &[u32],
     budget: u64,
-    max_len: u32,
+    longest: u32,
     batches: &mut Vec<Batch>,
     samples: &mut Vec<u32>,
 ) {
     let n = order.len();
-    let mut index = LengthIndex::new(max_len);
+    let mut index = LengthIndex::new(longest);
     // Pending stream positions by length (stale entries are skipped lazily through `taken`).
-    let mut by_length: Vec<Vec<u32>> = vec![Vec::new(); max_len as usize + 1];
+    let mut by_length: Vec<Vec<u32>> = vec![Vec::new(); longest as usize + 1];
     let mut taken = vec![false; n];
     let (mut admitted, mut head, mut pending) = (0usize, 0usize, 0usize);
 
@@ -212,12 +213,14 @@ pub fn pack_varlen(
             let pos = if u64::from(head_len) <= gap {
                 head
             } else {
-                let Some(len) = index.largest_le(gap.min(u64::from(max_len)) as u32) else {
+                let Some(len) = index.largest_le(gap.min(u64::from(longest)) as u32) else {
                     break;
                 };
                 let stack = &mut by_length[len as usize];
                 loop {
-                    let p = stack.pop().expect("index counts a pending sample of this length")
+                    let p = stack
+                        .pop()
+                        .expect("index counts a pending sample of this length")
                         as usize;
                     if !taken[p] {
                         break p;
@@ -287,7 +290,14 @@ mod tests {
         let lengths = [60, 70, 30, 40];
         let mut batches = Vec::new();
         let mut samples = Vec::new();
-        pack_varlen(&[0, 1, 2, 3], &lengths, 100, 100, &mut batches, &mut samples);
+        pack_varlen(
+            &[0, 1, 2, 3],
+            &lengths,
+            100,
+            100,
+            &mut batches,
+            &mut samples,
+        );
         assert_eq!(batches.len(), 2);
         assert_eq!(batches[0].real_tokens, 100);
         assert_eq!(&samples[..2], &[0, 3]);

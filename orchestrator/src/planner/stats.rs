@@ -54,8 +54,13 @@ pub struct PlanStats {
     pub adjacent_mean_len_corr: f64,
     /// Pearson correlation of a batch's position in the epoch with its mean sample length.
     pub position_mean_len_corr: f64,
-    /// Wall time to build the planner and plan the epoch, filled in by the caller.
+    /// Wall time to build the planner and plan the epoch (`setup_ms + epoch_ms`), filled in by
+    /// the caller.
     pub plan_ms: f64,
+    /// Of which: building the planner (overlong policy, buckets, `auto:K` search), once per run.
+    pub setup_ms: f64,
+    /// Of which: planning this epoch.
+    pub epoch_ms: f64,
 }
 
 pub(super) fn compute(planner: &Planner, plan: &EpochPlan) -> PlanStats {
@@ -97,9 +102,10 @@ pub(super) fn compute(planner: &Planner, plan: &EpochPlan) -> PlanStats {
     let runs: Vec<usize> = seq.chunk_by(|a, b| a == b).map(<[u16]>::len).collect();
     let accum = cfg.accum as usize;
     let windows = seq.len() / accum;
+    let mut tally = vec![0u32; buckets.len()];
     let heavy = seq
         .chunks_exact(accum)
-        .filter(|w| max_multiplicity(w) >= 3)
+        .filter(|w| max_multiplicity(w, &mut tally) >= 3)
         .count();
     let means: Vec<f64> = plan
         .batches
@@ -143,6 +149,8 @@ pub(super) fn compute(planner: &Planner, plan: &EpochPlan) -> PlanStats {
         adjacent_mean_len_corr: adjacent,
         position_mean_len_corr: pearson(&positions, &means),
         plan_ms: 0.0,
+        setup_ms: 0.0,
+        epoch_ms: 0.0,
     }
 }
 
@@ -150,12 +158,18 @@ fn ratio(a: u64, b: u64) -> f64 {
     if b == 0 { 0.0 } else { a as f64 / b as f64 }
 }
 
-/// Largest number of equal elements in a short window.
-fn max_multiplicity(w: &[u16]) -> usize {
-    w.iter()
-        .map(|x| w.iter().filter(|y| *y == x).count())
-        .max()
-        .unwrap_or(0)
+/// Largest number of batches of one bucket in a window; `tally` is zeroed scratch space with one
+/// entry per bucket, left zeroed.
+fn max_multiplicity(w: &[u16], tally: &mut [u32]) -> u32 {
+    let mut most = 0;
+    for &b in w {
+        tally[usize::from(b)] += 1;
+        most = most.max(tally[usize::from(b)]);
+    }
+    for &b in w {
+        tally[usize::from(b)] = 0;
+    }
+    most
 }
 
 /// Pearson correlation; 0 where either side is constant.
@@ -193,7 +207,9 @@ mod tests {
 
     #[test]
     fn multiplicity() {
-        assert_eq!(max_multiplicity(&[1, 2, 1, 1]), 3);
-        assert_eq!(max_multiplicity(&[1, 2, 3, 4]), 1);
+        let mut tally = vec![0; 5];
+        assert_eq!(max_multiplicity(&[1, 2, 1, 1], &mut tally), 3);
+        assert_eq!(max_multiplicity(&[1, 2, 3, 4], &mut tally), 1);
+        assert!(tally.iter().all(|&t| t == 0));
     }
 }

@@ -200,11 +200,19 @@ fn every_other_mode_redraws_composition_each_epoch() {
     let lengths = synthetic_lengths(20_000, 3);
     let bounds = BucketSpec::Boundaries(SEED_BOUNDARIES.to_vec());
     for mode in [Mode::Shuffle, Mode::Bucketed, Mode::Packed] {
-        let planner = Planner::new(&lengths, config(mode, Interleave::Spread, bounds.clone())).unwrap();
-        let (a, b) = (composition(&planner.plan_epoch(0)), composition(&planner.plan_epoch(1)));
+        let planner =
+            Planner::new(&lengths, config(mode, Interleave::Spread, bounds.clone())).unwrap();
+        let (a, b) = (
+            composition(&planner.plan_epoch(0)),
+            composition(&planner.plan_epoch(1)),
+        );
         let shared = a.intersection(&b).count();
         // Almost no batch survives into the next epoch unchanged.
-        assert!(shared * 50 < a.len(), "{mode}: {shared} of {} batches repeated", a.len());
+        assert!(
+            shared * 50 < a.len(),
+            "{mode}: {shared} of {} batches repeated",
+            a.len()
+        );
     }
 }
 
@@ -215,7 +223,8 @@ fn diverse_keeps_its_homogeneous_tail_and_spread_has_none() {
     let lengths = synthetic_lengths(100_000, 0);
     let bounds = BucketSpec::Boundaries(SEED_BOUNDARIES.to_vec());
     let stats_for = |interleave| {
-        let planner = Planner::new(&lengths, config(Mode::Bucketed, interleave, bounds.clone())).unwrap();
+        let planner =
+            Planner::new(&lengths, config(Mode::Bucketed, interleave, bounds.clone())).unwrap();
         planner.stats(&planner.plan_epoch(0))
     };
     let diverse = stats_for(Interleave::Diverse);
@@ -229,17 +238,29 @@ fn diverse_keeps_its_homogeneous_tail_and_spread_has_none() {
     assert!(diverse.tail_same_bucket_run < largest);
     for interleave in [Interleave::Spread, Interleave::Stratified] {
         let s = stats_for(interleave);
-        assert!(s.tail_same_bucket_run <= 3, "{interleave}: tail {}", s.tail_same_bucket_run);
+        assert!(
+            s.tail_same_bucket_run <= 3,
+            "{interleave}: tail {}",
+            s.tail_same_bucket_run
+        );
     }
     let spread = stats_for(Interleave::Spread);
-    assert!(spread.max_same_bucket_run <= 3, "{}", spread.max_same_bucket_run);
+    assert!(
+        spread.max_same_bucket_run <= 3,
+        "{}",
+        spread.max_same_bucket_run
+    );
     assert!(spread.windows_3plus_same_bucket <= 0.22);
 }
 
 #[test]
 fn bucketed_packing_stays_inside_each_bucket() {
     let lengths = synthetic_lengths(10_000, 9);
-    let cfg = config(Mode::Bucketed, Interleave::Random, BucketSpec::Boundaries(SEED_BOUNDARIES.to_vec()));
+    let cfg = config(
+        Mode::Bucketed,
+        Interleave::Random,
+        BucketSpec::Boundaries(SEED_BOUNDARIES.to_vec()),
+    );
     let planner = Planner::new(&lengths, cfg).unwrap();
     let plan = planner.plan_epoch(0);
     check_plan(&planner, &plan).unwrap();
@@ -251,16 +272,57 @@ fn rejects_invalid_configurations() {
     let l = [10, 20, 30];
     let bad = |cfg: PlanConfig| Planner::new(&l, cfg).unwrap_err().to_string();
     let d = PlanConfig::default();
-    assert!(bad(PlanConfig { token_budget: 100, max_len: 200, ..d.clone() }).contains("smaller than --max-len"));
-    assert!(bad(PlanConfig { buckets: BucketSpec::Auto(0), ..d.clone() }).contains("auto:0"));
-    assert!(bad(PlanConfig { buckets: BucketSpec::Boundaries(vec![0, 50, 40, 8192]), ..d.clone() })
-        .contains("strictly increasing"));
-    assert!(bad(PlanConfig { accum: 0, ..d.clone() }).contains("--accum"));
-    assert_eq!(Planner::new(&[], d.clone()).unwrap_err(), PlanError::EmptyInput);
-    assert!(matches!(Planner::new(&[0, 0], d.clone()), Err(PlanError::AllDropped { .. })));
-    let drop = PlanConfig { max_len: 5, token_budget: 5, on_overlong: OverlongPolicy::Drop, ..d };
+    assert!(
+        bad(PlanConfig {
+            token_budget: 100,
+            max_len: 200,
+            ..d.clone()
+        })
+        .contains("smaller than --max-len")
+    );
+    assert!(
+        bad(PlanConfig {
+            buckets: BucketSpec::Auto(0),
+            ..d.clone()
+        })
+        .contains("auto:0")
+    );
+    assert!(
+        bad(PlanConfig {
+            buckets: BucketSpec::Boundaries(vec![0, 50, 40, 8192]),
+            ..d.clone()
+        })
+        .contains("strictly increasing")
+    );
+    assert!(
+        bad(PlanConfig {
+            accum: 0,
+            ..d.clone()
+        })
+        .contains("--accum")
+    );
+    assert_eq!(
+        Planner::new(&[], d.clone()).unwrap_err(),
+        PlanError::EmptyInput
+    );
+    assert!(matches!(
+        Planner::new(&[0, 0], d.clone()),
+        Err(PlanError::AllDropped { .. })
+    ));
+    let drop = PlanConfig {
+        max_len: 5,
+        token_budget: 5,
+        on_overlong: OverlongPolicy::Drop,
+        ..d
+    };
     assert!(bad(drop).contains("longer than --max-len 5"));
-    assert!("sideways".parse::<Mode>().unwrap_err().to_string().contains("unknown mode"));
+    assert!(
+        "sideways"
+            .parse::<Mode>()
+            .unwrap_err()
+            .to_string()
+            .contains("unknown mode")
+    );
     assert!("zigzag".parse::<Interleave>().is_err());
     assert!("cut".parse::<OverlongPolicy>().is_err());
 }
