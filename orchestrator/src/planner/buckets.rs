@@ -15,7 +15,7 @@ pub const MAX_BUCKETS: usize = 1024;
 /// Samples the `auto:K` search packs (a uniform random subsample of the kept samples).
 const AUTO_SUBSAMPLE: usize = 32_768;
 /// Candidate boundaries the `auto:K` search considers (length quantiles).
-const AUTO_CANDIDATES: usize = 96;
+const AUTO_CANDIDATES: usize = 64;
 
 /// How bucket boundaries are given.
 #[derive(Debug, Clone, PartialEq, Eq)]
