@@ -28,9 +28,10 @@ import numpy as np
 MODES = ("sorted", "shuffle", "bucketed", "packed")
 INTERLEAVES = ("random", "diverse", "spread", "stratified")
 
+# The planner's constants; keep them equal to those in orchestrator/src/planner/.
 PACK_LOOKAHEAD = 512  # samples the varlen packer may choose from to fill a batch's last gap
 AUTO_SUBSAMPLE = 32_768  # samples packed by the auto:K search
-AUTO_CANDIDATES = 96  # candidate boundaries (length quantiles) of the auto:K search
+AUTO_CANDIDATES = 64  # candidate boundaries (length quantiles) of the auto:K search
 SPREAD_JITTER = 1.0
 WINDOW_REPEAT_PENALTY = 1.0
 STRATIFIED_JITTER = 0.6
@@ -128,9 +129,9 @@ def parse_buckets(spec):
 def auto_boundaries(kept_lengths, k, budget, max_len, rng):
     """K buckets minimising the padded tokens that greedy packing of a random subsample produces.
 
-    Candidate boundaries are 96 length quantiles of the subsample; cost[i][j] is the padding of
-    packing the subsample's samples in (c_i, c_j] (in the subsample's random order); a dynamic
-    programme picks the K consecutive buckets of least total cost.
+    Candidate boundaries are AUTO_CANDIDATES length quantiles of the subsample; cost[i][j] is the
+    padding of packing the subsample's samples in (c_i, c_j] (in the subsample's random order); a
+    dynamic programme picks the K consecutive buckets of least total cost.
     """
     sample = rng.permutation(kept_lengths)[:AUTO_SUBSAMPLE]
     srt = np.sort(sample)
@@ -385,7 +386,8 @@ def stats(batches, samples, lengths, mode, budget, accum):
     heavy = int((windows[:, 2:] == windows[:, :-2]).any(axis=1).sum()) if accum >= 3 else 0
 
     # Every kept sample exactly once, every batch within budget.
-    planned_ok = len(samples) == int((lengths > 0).sum()) and len(np.unique(samples)) == len(samples)
+    kept = int((lengths > 0).sum())
+    planned_ok = len(samples) == kept and len(np.unique(samples)) == kept
     if mode == "packed":
         within_budget = bool((real <= budget).all())
     else:
@@ -406,7 +408,9 @@ def stats(batches, samples, lengths, mode, budget, accum):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--lengths", required=True, help="sample lengths, one integer per line")
     p.add_argument("--mode", choices=MODES, default="bucketed")
     p.add_argument("--buckets", default=None, help="0,770,...,8192 or auto:K (default auto:8)")

@@ -152,7 +152,7 @@ pub fn run(args: PlanArgs) -> Result<(), CliError> {
     tracing::info!(samples = lengths.len(), %source, "planning");
 
     let started = Instant::now();
-    let planner = Planner::new(&lengths, config)?;
+    let planner = Planner::new(lengths, config)?;
     let setup = started.elapsed();
     let plan = planner.plan_epoch(args.epoch);
     let total = started.elapsed();

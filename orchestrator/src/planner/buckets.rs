@@ -6,7 +6,7 @@
 
 use super::pack::PaddedPacker;
 use super::rng::{PlanRng, Purpose};
-use super::{Bucket, PlanConfig, PlanError};
+use super::{PlanConfig, PlanError};
 
 /// Largest K accepted by `auto:K`.
 pub const AUTO_MAX_BUCKETS: u32 = 64;
@@ -117,46 +117,47 @@ impl BucketSpec {
 
     /// The boundaries to use for these (effective) lengths; `auto:K` searches, lists are returned
     /// as given.
-    pub(super) fn resolve(&self, lengths: &[u32], config: &PlanConfig) -> Vec<u32> {
+    pub(super) fn resolve(&self, lengths: &[u32], kept: usize, config: &PlanConfig) -> Vec<u32> {
         match self {
             BucketSpec::Boundaries(b) => b.clone(),
-            BucketSpec::Auto(k) => auto_boundaries(lengths, *k as usize, config),
+            BucketSpec::Auto(k) => auto_boundaries(lengths, kept, *k as usize, config),
         }
     }
 }
 
-/// Sorts kept samples (length > 0) into buckets by boundaries.
-pub(super) fn assign(lengths: &[u32], boundaries: &[u32]) -> Vec<Bucket> {
-    let mut buckets: Vec<Bucket> = boundaries
-        .windows(2)
-        .map(|w| Bucket {
-            lo: w[0],
-            hi: w[1],
-            samples: Vec::new(),
-        })
-        .collect();
-    for (i, &len) in lengths.iter().enumerate() {
-        if len == 0 {
-            continue;
-        }
-        // First boundary >= len closes the bucket holding it.
-        let b = boundaries.partition_point(|&x| x < len) - 1;
-        buckets[b].samples.push(i as u32);
-    }
-    buckets
+/// The bucket of every length `0..=longest`: the first boundary >= the length closes it.
+pub(super) fn bucket_of_length(boundaries: &[u32], longest: u32) -> Vec<u16> {
+    (0..=longest)
+        .map(|len| boundaries.partition_point(|&x| x < len).saturating_sub(1) as u16)
+        .collect()
 }
 
 /// Chooses `k` buckets minimising the padded tokens of the real greedy packing.
 ///
-/// Packing cost is measured, not modelled: a fixed random subsample of the samples is packed, in a
-/// random order, for every candidate bucket `(c_i, c_j]` over length quantiles `c`; a dynamic
-/// programme then picks the `k` consecutive buckets of least total padding. The subsample depends
-/// on the seed only, so boundaries stay fixed across epochs.
-fn auto_boundaries(lengths: &[u32], k: usize, config: &PlanConfig) -> Vec<u32> {
-    let mut sample: Vec<u32> = lengths.iter().copied().filter(|&l| l > 0).collect();
+/// Packing cost is measured, not modelled: a fixed random subsample of the samples (drawn with
+/// replacement, so it is in random order) is packed for every candidate bucket `(c_i, c_j]` over
+/// length quantiles `c`; a dynamic programme then picks the `k` consecutive buckets of least total
+/// padding. The subsample depends on the seed only, so boundaries stay fixed across epochs.
+fn auto_boundaries(lengths: &[u32], kept: usize, k: usize, config: &PlanConfig) -> Vec<u32> {
     let mut rng = PlanRng::stream(config.seed, 0, Purpose::AutoBuckets);
-    rng.shuffle(&mut sample);
-    sample.truncate(AUTO_SUBSAMPLE);
+    // Draw from the input, skipping dropped samples, while at least half are kept.
+    let compacted: Vec<u32>;
+    let pool = if kept * 2 >= lengths.len() {
+        lengths
+    } else {
+        compacted = lengths.iter().copied().filter(|&l| l > 0).collect();
+        &compacted
+    };
+    let sample: Vec<u32> = (0..kept.min(AUTO_SUBSAMPLE))
+        .map(|_| {
+            loop {
+                let len = pool[rng.below(pool.len() as u64) as usize];
+                if len > 0 {
+                    break len;
+                }
+            }
+        })
+        .collect();
 
     let mut sorted = sample.clone();
     sorted.sort_unstable();
@@ -264,9 +265,8 @@ mod tests {
 
     #[test]
     fn assigns_upper_inclusive() {
-        let b = assign(&[1, 770, 771, 8192, 0], &[0, 770, 8192]);
-        assert_eq!(b[0].samples, vec![0, 1]);
-        assert_eq!(b[1].samples, vec![2, 3]);
+        let of = bucket_of_length(&[0, 770, 8192], 8192);
+        assert_eq!((of[1], of[770], of[771], of[8192]), (0, 0, 1, 1));
     }
 
     #[test]
@@ -282,7 +282,7 @@ mod tests {
             })
             .collect();
         let cfg = PlanConfig::default();
-        let b = auto_boundaries(&lengths, 2, &cfg);
+        let b = auto_boundaries(&lengths, 4000, 2, &cfg);
         assert_eq!(b.len(), 3);
         assert!((108..3990).contains(&b[1]), "{b:?}");
         assert_eq!(b[2], cfg.max_len);

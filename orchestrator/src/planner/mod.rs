@@ -6,6 +6,7 @@
 //! which reproduces the original frozen-composition pipeline for comparison.
 
 mod buckets;
+mod epoch;
 mod interleave;
 mod pack;
 pub mod rng;
@@ -226,36 +227,42 @@ impl EpochPlan {
     }
 }
 
+/// A kept sample as the packers see it, `[index, effective length]`: the length travels beside the
+/// index, so packing a shuffled order reads memory sequentially instead of gathering lengths.
+pub type Pair = [u32; 2];
+
 /// One length bucket: samples with `lo < length <= hi`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Bucket {
     pub lo: u32,
     pub hi: u32,
-    /// Indices of the bucket's samples, ascending.
-    pub samples: Vec<u32>,
+    /// Kept samples in the bucket.
+    pub samples: usize,
 }
 
 /// A planner for one dataset and configuration; plans any epoch.
 #[derive(Debug, Clone)]
 pub struct Planner {
     config: PlanConfig,
-    /// Effective length of every input sample (after truncation); 0 for dropped samples.
+    /// Effective length of every input sample (after truncation); 0 where dropped.
     lengths: Vec<u32>,
     buckets: Vec<Bucket>,
-    /// Sample indices in frozen length order (`sorted` mode only).
-    sorted_order: Vec<u32>,
+    /// Bucket of every length up to the longest (all 0 outside `bucketed`).
+    bucket_of: Vec<u16>,
+    /// `sorted`: the plan made once, batches in packing order, whose composition every epoch reuses.
+    frozen: Option<(Vec<Batch>, Vec<u32>)>,
     /// Longest effective sample.
     longest: u32,
-    input_samples: usize,
+    kept: usize,
     dropped_empty: usize,
     dropped_overlong: usize,
     truncated: usize,
 }
 
 impl Planner {
-    /// Applies the overlong policy and resolves the buckets. Fails on an invalid configuration or
-    /// when nothing is left to plan.
-    pub fn new(lengths: &[u32], config: PlanConfig) -> Result<Self, PlanError> {
+    /// Applies the overlong policy (in place: the planner keeps `lengths`) and resolves the
+    /// buckets. Fails on an invalid configuration or when nothing is left to plan.
+    pub fn new(mut lengths: Vec<u32>, config: PlanConfig) -> Result<Self, PlanError> {
         config.validate()?;
         if lengths.is_empty() {
             return Err(PlanError::EmptyInput);
@@ -263,27 +270,24 @@ impl Planner {
         if u32::try_from(lengths.len()).is_err() {
             return Err(PlanError::TooManySamples(lengths.len()));
         }
-        let mut effective = Vec::with_capacity(lengths.len());
         let (mut dropped_empty, mut dropped_overlong, mut truncated) = (0, 0, 0);
-        for &len in lengths {
-            let eff = if len == 0 {
+        let mut longest = 0;
+        for len in lengths.iter_mut() {
+            if *len == 0 {
                 dropped_empty += 1;
-                0
-            } else if len > config.max_len {
+            } else if *len > config.max_len {
                 match config.on_overlong {
                     OverlongPolicy::Truncate => {
                         truncated += 1;
-                        config.max_len
+                        *len = config.max_len;
                     }
                     OverlongPolicy::Drop => {
                         dropped_overlong += 1;
-                        0
+                        *len = 0;
                     }
                 }
-            } else {
-                len
-            };
-            effective.push(eff);
+            }
+            longest = longest.max(*len);
         }
         let kept = lengths.len() - dropped_empty - dropped_overlong;
         if kept == 0 {
@@ -303,27 +307,72 @@ impl Planner {
             });
         }
 
-        let longest = effective.iter().copied().max().unwrap_or(0);
-        let boundaries = match config.mode {
-            Mode::Bucketed => config.buckets.resolve(&effective, &config),
-            _ => vec![0, config.max_len],
-        };
-        let buckets = buckets::assign(&effective, &boundaries);
-        let sorted_order = match config.mode {
-            Mode::Sorted => pack::length_order(&effective, longest),
-            _ => Vec::new(),
+        let whole = vec![Bucket {
+            lo: 0,
+            hi: config.max_len,
+            samples: kept,
+        }];
+        let one_bucket = || vec![0u16; longest as usize + 1];
+        let (buckets, bucket_of, frozen) = match config.mode {
+            Mode::Shuffle | Mode::Packed => (whole, one_bucket(), None),
+            Mode::Sorted => {
+                let order = pack::length_order(&lengths, kept, longest);
+                let mut buf = bytemuck::allocation::cast_vec::<Pair, u32>(order);
+                let mut batches = Vec::new();
+                let mut run = pack::PaddedRun::new(config.token_budget, 0, 0);
+                run.feed(&mut buf, 0, kept, &mut batches);
+                run.finish(&mut batches);
+                buf.truncate(kept);
+                buf.shrink_to_fit();
+                (whole, one_bucket(), Some((batches, buf)))
+            }
+            Mode::Bucketed => {
+                let boundaries = config.buckets.resolve(&lengths, kept, &config);
+                let bucket_of = buckets::bucket_of_length(&boundaries, longest);
+                let mut sizes = vec![0usize; boundaries.len() - 1];
+                for &len in &lengths {
+                    if len > 0 {
+                        sizes[usize::from(bucket_of[len as usize])] += 1;
+                    }
+                }
+                let buckets = boundaries
+                    .windows(2)
+                    .zip(sizes)
+                    .map(|(w, samples)| Bucket {
+                        lo: w[0],
+                        hi: w[1],
+                        samples,
+                    })
+                    .collect();
+                (buckets, bucket_of, None)
+            }
         };
         Ok(Self {
             config,
-            lengths: effective,
+            lengths,
             buckets,
-            sorted_order,
+            bucket_of,
+            frozen,
             longest,
-            input_samples: lengths.len(),
+            kept,
             dropped_empty,
             dropped_overlong,
             truncated,
         })
+    }
+
+    /// The length the planner uses for a sample of input length `len`; 0 where it is dropped.
+    pub fn effective_len(&self, len: u32) -> u32 {
+        match (len > self.config.max_len, self.config.on_overlong) {
+            (false, _) => len,
+            (true, OverlongPolicy::Truncate) => self.config.max_len,
+            (true, OverlongPolicy::Drop) => 0,
+        }
+    }
+
+    /// Effective length of every input sample (0 where dropped).
+    pub fn lengths(&self) -> &[u32] {
+        &self.lengths
     }
 
     pub fn config(&self) -> &PlanConfig {
@@ -334,13 +383,8 @@ impl Planner {
         &self.buckets
     }
 
-    /// Effective length of each input sample (0 where dropped).
-    pub fn lengths(&self) -> &[u32] {
-        &self.lengths
-    }
-
     pub fn input_samples(&self) -> usize {
-        self.input_samples
+        self.lengths.len()
     }
 
     pub fn dropped(&self) -> usize {
@@ -364,76 +408,71 @@ impl Planner {
         let cfg = &self.config;
         let mut sample_rng = PlanRng::stream(cfg.seed, epoch, Purpose::SampleOrder);
         let mut order_rng = PlanRng::stream(cfg.seed, epoch, Purpose::BatchOrder);
-        let mut batches = Vec::new();
-        let mut samples = Vec::with_capacity(self.input_samples - self.dropped());
         let layout = if cfg.mode == Mode::Packed {
             Layout::Packed
         } else {
             Layout::Padded
         };
-        match cfg.mode {
+        // Upper bound: untouched capacity costs address space, not memory, and no batch is ever
+        // copied by a reallocation.
+        let mut batches = Vec::with_capacity(self.kept);
+        let samples = match cfg.mode {
             Mode::Sorted => {
-                pack::pack_padded(
-                    &self.sorted_order,
-                    &self.lengths,
-                    cfg.token_budget,
-                    0,
-                    &mut batches,
-                    &mut samples,
-                );
+                let (frozen, samples) = self.frozen.as_ref().expect("sorted plans are frozen");
+                batches.extend_from_slice(frozen);
                 order_rng.shuffle(&mut batches);
-            }
-            Mode::Shuffle => {
-                let mut order = self.buckets[0].samples.clone();
-                sample_rng.shuffle(&mut order);
-                pack::pack_padded(
-                    &order,
-                    &self.lengths,
-                    cfg.token_budget,
-                    0,
-                    &mut batches,
-                    &mut samples,
-                );
+                samples.clone()
             }
             Mode::Packed => {
-                let mut order = self.buckets[0].samples.clone();
-                sample_rng.shuffle(&mut order);
+                let (mut buf, piles) = self.scatter(&mut sample_rng);
+                let base = sample_rng.next_u64();
+                epoch::shuffle_piles(bytemuck::cast_slice_mut(&mut buf), &piles, base);
+                let mut samples = Vec::with_capacity(self.kept);
                 pack::pack_varlen(
-                    &order,
-                    &self.lengths,
+                    &buf,
                     cfg.token_budget,
                     self.longest,
                     &mut batches,
                     &mut samples,
                 );
+                samples
+            }
+            Mode::Shuffle => {
+                let (pairs, piles) = self.scatter(&mut sample_rng);
+                let mut buf = bytemuck::allocation::cast_vec::<Pair, u32>(pairs);
+                let base = sample_rng.next_u64();
+                let mut per_bucket =
+                    epoch::shuffle_and_pack(&mut buf, &piles, 1, cfg.token_budget, base);
+                batches = per_bucket.pop().expect("one bucket");
+                buf.truncate(self.kept);
+                buf.shrink_to_fit();
+                buf
             }
             Mode::Bucketed => {
-                let mut per_bucket: Vec<Vec<Batch>> = Vec::with_capacity(self.buckets.len());
-                for (b, bucket) in self.buckets.iter().enumerate() {
-                    let mut order = bucket.samples.clone();
-                    sample_rng.shuffle(&mut order);
-                    let mut own = Vec::new();
-                    pack::pack_padded(
-                        &order,
-                        &self.lengths,
-                        cfg.token_budget,
-                        b as u16,
-                        &mut own,
-                        &mut samples,
-                    );
-                    per_bucket.push(own);
-                }
+                let (pairs, piles) = self.scatter(&mut sample_rng);
+                let mut buf = bytemuck::allocation::cast_vec::<Pair, u32>(pairs);
+                let base = sample_rng.next_u64();
+                let per_bucket = epoch::shuffle_and_pack(
+                    &mut buf,
+                    &piles,
+                    self.buckets.len(),
+                    cfg.token_budget,
+                    base,
+                );
+                buf.truncate(self.kept);
+                buf.shrink_to_fit();
                 let counts: Vec<u32> = per_bucket.iter().map(|v| v.len() as u32).collect();
                 let sequence = cfg.interleave.sequence(&counts, cfg.accum, &mut order_rng);
                 let mut next = vec![0usize; per_bucket.len()];
-                batches.reserve(sequence.len());
                 for b in sequence {
                     let b = usize::from(b);
                     batches.push(per_bucket[b][next[b]]);
                     next[b] += 1;
                 }
+                buf
             }
-        }
+        };
+        batches.shrink_to_fit();
         EpochPlan {
             epoch,
             layout,
@@ -441,6 +480,13 @@ impl Planner {
             batches,
             samples,
         }
+    }
+
+    /// Every kept sample as `[index, length]`, each bucket in its own span of the buffer and
+    /// grouped into random piles there (the first step of the shuffle), with the piles.
+    fn scatter(&self, rng: &mut PlanRng) -> (Vec<Pair>, Vec<epoch::Pile>) {
+        let sizes: Vec<usize> = self.buckets.iter().map(|b| b.samples).collect();
+        epoch::scatter(&self.lengths, &self.bucket_of, &sizes, rng)
     }
 
     /// Statistics of a plan made by this planner.

@@ -95,11 +95,35 @@ impl PlanRng {
         (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
     }
 
-    /// Fisher–Yates shuffle.
+    /// Fisher–Yates shuffle. Slices shorter than 2^32 draw their swap positions 32 bits at a time
+    /// (two per 64-bit output, Lemire's method on each half).
     pub fn shuffle<T>(&mut self, xs: &mut [T]) {
+        if u32::try_from(xs.len()).is_err() {
+            for i in (1..xs.len()).rev() {
+                let j = self.below(i as u64 + 1) as usize;
+                xs.swap(i, j);
+            }
+            return;
+        }
+        let mut spare: Option<u32> = None;
+        let mut bits = || match spare.take() {
+            Some(half) => half,
+            None => {
+                let x = self.next_u64();
+                spare = Some((x >> 32) as u32);
+                x as u32
+            }
+        };
         for i in (1..xs.len()).rev() {
-            let j = self.below(i as u64 + 1) as usize;
-            xs.swap(i, j);
+            let n = i as u32 + 1;
+            let mut m = u64::from(bits()) * u64::from(n);
+            if (m as u32) < n {
+                let threshold = n.wrapping_neg() % n;
+                while (m as u32) < threshold {
+                    m = u64::from(bits()) * u64::from(n);
+                }
+            }
+            xs.swap(i, (m >> 32) as usize);
         }
     }
 }

@@ -71,7 +71,7 @@ pub(super) fn compute(planner: &Planner, plan: &EpochPlan) -> PlanStats {
         .map(|b| BucketStats {
             lo: b.lo,
             hi: b.hi,
-            samples: b.samples.len() as u64,
+            samples: b.samples as u64,
             batches: 0,
             batch_share: 0.0,
             sample_share: 0.0,

@@ -20,8 +20,9 @@ fn config(mode: Mode, interleave: Interleave, buckets: BucketSpec) -> PlanConfig
 
 /// Every kept sample exactly once, no dropped sample, every batch within budget and its recorded
 /// figures true.
-fn check_plan(planner: &Planner, plan: &EpochPlan) -> Result<(), TestCaseError> {
-    let lengths = planner.lengths();
+fn check_plan(planner: &Planner, input: &[u32], plan: &EpochPlan) -> Result<(), TestCaseError> {
+    let lengths: Vec<u32> = input.iter().map(|&l| planner.effective_len(l)).collect();
+    prop_assert_eq!(&lengths[..], planner.lengths());
     let mut seen = vec![0u8; lengths.len()];
     let budget = planner.config().token_budget;
     for b in &plan.batches {
@@ -131,10 +132,10 @@ proptest! {
 
     #[test]
     fn every_sample_once_and_budget_respected((lengths, cfg) in case(), epoch in 0u64..4) {
-        match Planner::new(&lengths, cfg.clone()) {
+        match Planner::new(lengths.clone(), cfg.clone()) {
             Ok(planner) => {
                 let plan = planner.plan_epoch(epoch);
-                check_plan(&planner, &plan)?;
+                check_plan(&planner, &lengths, &plan)?;
                 let stats = planner.stats(&plan);
                 prop_assert_eq!(stats.batches as usize, plan.batches.len());
                 prop_assert_eq!(stats.dropped as usize, planner.dropped());
@@ -156,8 +157,8 @@ proptest! {
 
     #[test]
     fn same_seed_and_epoch_same_plan((lengths, cfg) in case(), epoch in 0u64..4) {
-        if let Ok(a) = Planner::new(&lengths, cfg.clone()) {
-            let b = Planner::new(&lengths, cfg).unwrap();
+        if let Ok(a) = Planner::new(lengths.clone(), cfg.clone()) {
+            let b = Planner::new(lengths.clone(), cfg).unwrap();
             prop_assert_eq!(a.plan_epoch(epoch), b.plan_epoch(epoch));
         }
     }
@@ -177,7 +178,7 @@ proptest! {
             mode, interleave, buckets, token_budget: 256 * 8, max_len: 256, seed,
             ..PlanConfig::default()
         };
-        let planner = Planner::new(&lengths, cfg).unwrap();
+        let planner = Planner::new(lengths.clone(), cfg).unwrap();
         let a = planner.plan_epoch(epoch);
         let b = planner.plan_epoch(epoch + 1);
         prop_assert_ne!(composition(&a), composition(&b));
@@ -188,7 +189,7 @@ proptest! {
 fn sorted_mode_reproduces_the_frozen_composition_bug() {
     let lengths = synthetic_lengths(20_000, 3);
     let cfg = config(Mode::Sorted, Interleave::Random, BucketSpec::Auto(1));
-    let planner = Planner::new(&lengths, cfg).unwrap();
+    let planner = Planner::new(lengths.clone(), cfg).unwrap();
     let (a, b) = (planner.plan_epoch(0), planner.plan_epoch(1));
     // Same batches, different order: exactly what froze the original pipeline.
     assert_eq!(composition(&a), composition(&b));
@@ -200,8 +201,11 @@ fn every_other_mode_redraws_composition_each_epoch() {
     let lengths = synthetic_lengths(20_000, 3);
     let bounds = BucketSpec::Boundaries(SEED_BOUNDARIES.to_vec());
     for mode in [Mode::Shuffle, Mode::Bucketed, Mode::Packed] {
-        let planner =
-            Planner::new(&lengths, config(mode, Interleave::Spread, bounds.clone())).unwrap();
+        let planner = Planner::new(
+            lengths.clone(),
+            config(mode, Interleave::Spread, bounds.clone()),
+        )
+        .unwrap();
         let (a, b) = (
             composition(&planner.plan_epoch(0)),
             composition(&planner.plan_epoch(1)),
@@ -223,8 +227,11 @@ fn diverse_keeps_its_homogeneous_tail_and_spread_has_none() {
     let lengths = synthetic_lengths(100_000, 0);
     let bounds = BucketSpec::Boundaries(SEED_BOUNDARIES.to_vec());
     let stats_for = |interleave| {
-        let planner =
-            Planner::new(&lengths, config(Mode::Bucketed, interleave, bounds.clone())).unwrap();
+        let planner = Planner::new(
+            lengths.clone(),
+            config(Mode::Bucketed, interleave, bounds.clone()),
+        )
+        .unwrap();
         planner.stats(&planner.plan_epoch(0))
     };
     let diverse = stats_for(Interleave::Diverse);
@@ -261,16 +268,16 @@ fn bucketed_packing_stays_inside_each_bucket() {
         Interleave::Random,
         BucketSpec::Boundaries(SEED_BOUNDARIES.to_vec()),
     );
-    let planner = Planner::new(&lengths, cfg).unwrap();
+    let planner = Planner::new(lengths.clone(), cfg).unwrap();
     let plan = planner.plan_epoch(0);
-    check_plan(&planner, &plan).unwrap();
+    check_plan(&planner, &lengths, &plan).unwrap();
     assert_eq!(planner.buckets().len(), 6);
 }
 
 #[test]
 fn rejects_invalid_configurations() {
     let l = [10, 20, 30];
-    let bad = |cfg: PlanConfig| Planner::new(&l, cfg).unwrap_err().to_string();
+    let bad = |cfg: PlanConfig| Planner::new(l.to_vec(), cfg).unwrap_err().to_string();
     let d = PlanConfig::default();
     assert!(
         bad(PlanConfig {
@@ -302,11 +309,11 @@ fn rejects_invalid_configurations() {
         .contains("--accum")
     );
     assert_eq!(
-        Planner::new(&[], d.clone()).unwrap_err(),
+        Planner::new(vec![], d.clone()).unwrap_err(),
         PlanError::EmptyInput
     );
     assert!(matches!(
-        Planner::new(&[0, 0], d.clone()),
+        Planner::new(vec![0, 0], d.clone()),
         Err(PlanError::AllDropped { .. })
     ));
     let drop = PlanConfig {
