@@ -166,21 +166,7 @@ fn split_point(piles: &[Pile]) -> usize {
 
 /// Shuffles every pile of `buf` (pairs as u32s).
 pub fn shuffle_piles(buf: &mut [u32], piles: &[Pile], base: u64) {
-    let s = split_point(piles);
-    let mid = piles.get(s).map_or(buf.len() / 2, |p| p.start);
-    let (lo, hi) = buf.split_at_mut(2 * mid);
-    both(
-        || {
-            for (k, pile) in piles[..s].iter().enumerate() {
-                shuffle_pile(lo, 0, pile, &mut pile_rng(base, k));
-            }
-        },
-        || {
-            for (k, pile) in piles.iter().enumerate().skip(s) {
-                shuffle_pile(hi, mid, pile, &mut pile_rng(base, k));
-            }
-        },
-    );
+    shuffle_visiting(buf, piles, base, |_, _| {});
 }
 
 /// Shuffles every pile and packs every bucket's span greedily (padded), in place: `buf` ends with
@@ -199,23 +185,39 @@ pub fn shuffle_and_pack(
         sizes[usize::from(pile.bucket)] += pile.end - pile.start;
     }
     let mut batches: Vec<Vec<Batch>> = sizes.iter().map(|&n| Vec::with_capacity(n)).collect();
-    let mut pack = |buf: &mut [u32], pile: &Pile, batches: &mut Vec<Vec<Batch>>| {
+    shuffle_visiting(buf, piles, base, |buf, pile| {
         let b = usize::from(pile.bucket);
         runs[b]
             .get_or_insert_with(|| PaddedRun::new(budget, pile.bucket, pile.start))
             .feed(buf, pile.start, pile.end, &mut batches[b]);
-    };
+    });
+    for (b, run) in runs.into_iter().enumerate() {
+        if let Some(run) = run {
+            run.finish(&mut batches[b]);
+        }
+    }
+    batches
+}
+
+/// Shuffles every pile of `buf`, the second half's on a helper thread, and hands each pile, once
+/// shuffled, to `visit` in buffer order: the first half's as they are done, the rest after the
+/// helper finishes. `visit` may write only at u32 offsets below the end of the pile's pairs
+/// (in-place packing writes sample `t` at offset `t`), so the halves never overlap.
+fn shuffle_visiting(
+    buf: &mut [u32],
+    piles: &[Pile],
+    base: u64,
+    mut visit: impl FnMut(&mut [u32], &Pile),
+) {
     let s = split_point(piles);
     let mid = piles.get(s).map_or(buf.len() / 2, |p| p.start);
     {
-        // Packing writes sample indices at u32 offsets below the items it has read, so the first
-        // half never writes into the second half's pairs.
         let (lo, hi) = buf.split_at_mut(2 * mid);
         both(
             || {
                 for (k, pile) in piles[..s].iter().enumerate() {
                     shuffle_pile(lo, 0, pile, &mut pile_rng(base, k));
-                    pack(lo, pile, &mut batches);
+                    visit(lo, pile);
                 }
             },
             || {
@@ -226,14 +228,8 @@ pub fn shuffle_and_pack(
         );
     }
     for pile in &piles[s..] {
-        pack(buf, pile, &mut batches);
+        visit(buf, pile);
     }
-    for (b, run) in runs.into_iter().enumerate() {
-        if let Some(run) = run {
-            run.finish(&mut batches[b]);
-        }
-    }
-    batches
 }
 
 #[cfg(test)]

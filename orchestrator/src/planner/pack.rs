@@ -108,13 +108,7 @@ impl PaddedRun {
             {
                 *slot = index;
                 if let Some((count, max_len)) = self.packer.push(len) {
-                    batches.push(Batch {
-                        bucket: self.bucket,
-                        start: self.start as u32,
-                        count,
-                        max_len,
-                        real_tokens: self.real,
-                    });
+                    self.close(count, max_len, batches);
                     self.start = t + k;
                     self.real = 0;
                 }
@@ -124,17 +118,21 @@ impl PaddedRun {
         }
     }
 
+    fn close(&self, count: u32, max_len: u32, batches: &mut Vec<Batch>) {
+        batches.push(Batch {
+            bucket: self.bucket,
+            start: self.start as u32,
+            count,
+            max_len,
+            real_tokens: self.real,
+        });
+    }
+
     /// Closes the open batch.
     pub fn finish(self, batches: &mut Vec<Batch>) {
         let (count, max_len) = self.packer.open();
         if count > 0 {
-            batches.push(Batch {
-                bucket: self.bucket,
-                start: self.start as u32,
-                count,
-                max_len,
-                real_tokens: self.real,
-            });
+            self.close(count, max_len, batches);
         }
     }
 }
