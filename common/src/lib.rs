@@ -9,4 +9,6 @@ pub mod exit_code {
     pub const FAILURE: u8 = 1;
     /// Invalid arguments or input: the message names the option, file and line.
     pub const INVALID: u8 = 2;
+    /// Stopped by SIGINT or SIGTERM (128 + SIGINT, as shells report it).
+    pub const INTERRUPTED: u8 = 130;
 }

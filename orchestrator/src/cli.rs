@@ -12,6 +12,7 @@ Exit codes:
   0  success
   1  the command failed while working (I/O error, ...)
   2  invalid arguments or input (the message names the option, file and line)
+  130  interrupted (SIGINT or SIGTERM); nothing half-written is left
 
 Logging goes to stderr: -v for more detail, or RUST_LOG (e.g. RUST_LOG=dflash_orch=debug).";
 
@@ -29,6 +30,10 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// Convert training data (JSONL, Parquet, save_to_disk, conversations) into a dataset store.
+    Prepare(commands::prepare::PrepareArgs),
+    /// Show what a dataset store holds: samples, tokens, lengths, what prepare skipped.
+    Inspect(commands::inspect::InspectArgs),
     /// Plan the batches of one epoch and show what they look like (buckets, padding, runs).
     Plan(commands::plan::PlanArgs),
 }
@@ -46,6 +51,12 @@ pub enum CliError {
         #[source]
         source: std::io::Error,
     },
+    /// The command failed while working, with a message of its own: exit code 1.
+    #[error("{0}")]
+    Failed(String),
+    /// Stopped by SIGINT or SIGTERM before finishing: exit code 130.
+    #[error("interrupted: {0}")]
+    Interrupted(String),
 }
 
 impl CliError {
@@ -59,7 +70,8 @@ impl CliError {
     pub fn exit_code(&self) -> u8 {
         match self {
             CliError::Invalid(_) => exit_code::INVALID,
-            CliError::Io { .. } => exit_code::FAILURE,
+            CliError::Io { .. } | CliError::Failed(_) => exit_code::FAILURE,
+            CliError::Interrupted(_) => exit_code::INTERRUPTED,
         }
     }
 }
@@ -91,6 +103,8 @@ fn init_logging(verbose: u8) {
 /// Runs a parsed command line.
 pub fn run(cli: Cli) -> Result<(), CliError> {
     match cli.command {
+        Command::Prepare(args) => commands::prepare::run(args),
+        Command::Inspect(args) => commands::inspect::run(args),
         Command::Plan(args) => commands::plan::run(args),
     }
 }

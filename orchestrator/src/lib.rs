@@ -7,5 +7,7 @@ pub mod charts;
 pub mod cli;
 pub mod commands;
 pub mod fsutil;
+pub mod ingest;
 pub mod planner;
+pub mod store;
 pub mod workload;

@@ -19,8 +19,12 @@ use crate::workload::{parse_lengths, synthetic_lengths};
 const MAX_SYNTHETIC: usize = 100_000_000;
 
 #[derive(Debug, Clone, Args)]
-#[command(group(ArgGroup::new("input").required(true).args(["lengths", "synthetic"])))]
+#[command(group(ArgGroup::new("input").required(true).args(["lengths", "synthetic", "data"])))]
 pub struct PlanArgs {
+    /// A dataset store made by `dflash-orch prepare`.
+    #[arg(long, value_name = "STORE")]
+    pub data: Option<PathBuf>,
+
     /// Sample lengths, one non-negative integer per line.
     #[arg(long, value_name = "FILE")]
     pub lengths: Option<PathBuf>,
@@ -131,6 +135,13 @@ fn load_lengths(args: &PlanArgs) -> Result<(Vec<u32>, String), CliError> {
             synthetic_lengths(n, args.synthetic_seed),
             format!("synthetic:{n} (seed {})", args.synthetic_seed),
         ));
+    }
+    if let Some(dir) = &args.data {
+        let store = crate::store::Store::open(dir).map_err(|e| match e {
+            crate::store::StoreError::Io { .. } => CliError::Failed(e.to_string()),
+            other => CliError::Invalid(other.to_string()),
+        })?;
+        return Ok((store.lengths(), dir.display().to_string()));
     }
     let path = args.lengths.as_ref().expect("clap requires one input");
     let bytes = std::fs::read(path)
