@@ -798,3 +798,33 @@ fn bad_arguments_are_refused_before_any_work() {
     );
     assert_only(dir.path(), &["data.csv"]);
 }
+
+#[test]
+fn byte_order_mark_and_crlf_are_accepted() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("bom.jsonl");
+    let mut bytes = b"\xEF\xBB\xBF".to_vec();
+    bytes.extend_from_slice((good(40) + "\r\n" + &good(41) + "\r\n").as_bytes());
+    fs::write(&input, bytes).unwrap();
+    let out = dir.path().join("store");
+    stdout_ok(&prepare(&["--input", arg(&input), "--output", arg(&out)]));
+    assert_eq!(Store::open(&out).unwrap().lengths(), vec![40, 41]);
+}
+
+#[test]
+fn broken_save_to_disk_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = dir.path().join("ds");
+    fs::create_dir(&ds).unwrap();
+    let out = dir.path().join("store");
+    fs::write(ds.join("state.json"), "{oops").unwrap();
+    assert_refused(&prepare(&["--input", arg(&ds), "--output", arg(&out)]), 2, "not a datasets state.json");
+    fs::write(ds.join("state.json"), r#"{"_data_files":[{"filename":"../../etc/passwd"}]}"#).unwrap();
+    assert_refused(&prepare(&["--input", arg(&ds), "--output", arg(&out)]), 2, "not a plain file name");
+    fs::write(ds.join("state.json"), r#"{"_data_files":[{"filename":"data-00000-of-00001.arrow"}]}"#).unwrap();
+    fs::write(ds.join("data-00000-of-00001.arrow"), b"not arrow at all").unwrap();
+    let failed = prepare(&["--input", arg(&ds), "--output", arg(&out)]);
+    assert_refused(&failed, 2, "data-00000-of-00001.arrow");
+    assert!(String::from_utf8_lossy(&failed.stderr).contains("unreadable_file"));
+    assert_only(dir.path(), &["ds"]);
+}

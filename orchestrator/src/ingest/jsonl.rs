@@ -55,12 +55,16 @@ pub fn for_each_line(
         }
         number += 1;
         sink.progress(n as u64);
-        if line.iter().all(u8::is_ascii_whitespace) {
+        let text = match line.strip_prefix(b"\xEF\xBB\xBF") {
+            Some(rest) if number == 1 => rest,
+            _ => &line[..],
+        };
+        if text.iter().all(u8::is_ascii_whitespace) {
             continue;
         }
         records += 1;
         at.at = Position::Line(number);
-        record(&at, &line, sink)?;
+        record(&at, text, sink)?;
     }
     if records == 0 {
         at.at = Position::File;
