@@ -8,6 +8,7 @@ pub mod cli;
 pub mod commands;
 pub mod fsutil;
 pub mod ingest;
+pub mod parallel;
 pub mod planner;
 pub mod store;
 pub mod workload;

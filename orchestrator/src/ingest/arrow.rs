@@ -13,7 +13,9 @@ use arrow_array::{Array, ArrayRef, OffsetSizeTrait, RecordBatch};
 use parquet::arrow::ProjectionMask;
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 
-use super::{JsonNumber, Location, Position, RawSample, Reason, Sink, Stop};
+use super::{
+    JsonNumber, Location, Position, RawSample, Reason, Sink, Stop, mask_values, token_ids,
+};
 
 /// Rows decoded at a time.
 const BATCH_ROWS: usize = 1024;
@@ -170,11 +172,7 @@ fn read_batch(
             sink.reject(&at, Reason::MissingField, format!("{} is null", ids.name))?;
             continue;
         };
-        let input_ids: Result<Vec<u32>, String> = values
-            .enumerate()
-            .map(|(i, v)| v.token_id().map_err(|e| format!("input_ids[{i}]: {e}")))
-            .collect();
-        let input_ids = match input_ids {
+        let input_ids = match token_ids(values) {
             Ok(ids) => ids,
             Err(e) => {
                 sink.reject(&at, Reason::BadTokenId, e)?;
@@ -183,19 +181,13 @@ fn read_batch(
         };
         let loss_mask = match mask.as_ref().and_then(|m| m.row(row)) {
             None => None,
-            Some(values) => {
-                let m: Result<Vec<u8>, String> = values
-                    .enumerate()
-                    .map(|(i, v)| v.mask_value().map_err(|e| format!("loss_mask[{i}]: {e}")))
-                    .collect();
-                match m {
-                    Ok(m) => Some(m),
-                    Err(e) => {
-                        sink.reject(&at, Reason::BadLossMask, e)?;
-                        continue;
-                    }
+            Some(values) => match mask_values(values) {
+                Ok(m) => Some(m),
+                Err(e) => {
+                    sink.reject(&at, Reason::BadLossMask, e)?;
+                    continue;
                 }
-            }
+            },
         };
         sink.accept(
             &at,

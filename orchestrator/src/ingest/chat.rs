@@ -7,7 +7,7 @@ use std::path::Path;
 use serde::Deserialize;
 use tokenizers::Tokenizer;
 
-use super::jsonl::{FileRead, for_each_line, json_error};
+use super::jsonl::{FileRead, for_each_record, json_error};
 use super::{RawSample, Reason, Sink, Stop};
 
 /// How a conversation is rendered to text.
@@ -232,22 +232,22 @@ pub fn parse_conversation(line: &[u8]) -> Result<Vec<(Role, String)>, (Reason, S
         .collect()
 }
 
-/// Reads a file of conversations into `sink`.
+/// Reads a file of conversations into `sink` (tokenizing on two threads).
 pub fn read_chat(
     path: &Path,
     encoder: &ChatEncoder,
     sink: &mut dyn Sink,
 ) -> Result<FileRead, Stop> {
-    for_each_line(path, sink, |at, line, sink| {
-        let turns = match parse_conversation(line) {
-            Ok(t) => t,
-            Err((reason, message)) => return sink.reject(at, reason, message),
-        };
+    let parse = |line: &[u8]| {
+        let turns = parse_conversation(line)?;
         let borrowed: Vec<(Role, &str)> = turns.iter().map(|(r, t)| (*r, t.as_str())).collect();
-        match encoder.encode(&borrowed) {
-            Ok(sample) => sink.accept(at, sample),
-            Err(message) => sink.reject(at, Reason::BadConversation, message),
-        }
+        encoder
+            .encode(&borrowed)
+            .map_err(|message| (Reason::BadConversation, message))
+    };
+    for_each_record(path, sink, parse, |at, parsed, sink| match parsed {
+        Ok(sample) => sink.accept(at, sample),
+        Err((reason, message)) => sink.reject(at, reason, message),
     })
 }
 

@@ -300,19 +300,19 @@ impl<'de> serde::Deserialize<'de> for JsonNumber {
     }
 }
 
-/// Turns a list of JSON values into token ids, naming the first bad one.
-pub fn token_ids(values: &[JsonNumber]) -> Result<Vec<u32>, String> {
+/// Turns values into token ids, naming the first bad one.
+pub fn token_ids(values: impl IntoIterator<Item = JsonNumber>) -> Result<Vec<u32>, String> {
     values
-        .iter()
+        .into_iter()
         .enumerate()
         .map(|(i, v)| v.token_id().map_err(|e| format!("input_ids[{i}]: {e}")))
         .collect()
 }
 
-/// Turns a list of JSON values into a 0/1 loss mask, naming the first bad one.
-pub fn mask_values(values: &[JsonNumber]) -> Result<Vec<u8>, String> {
+/// Turns values into a 0/1 loss mask, naming the first bad one.
+pub fn mask_values(values: impl IntoIterator<Item = JsonNumber>) -> Result<Vec<u8>, String> {
     values
-        .iter()
+        .into_iter()
         .enumerate()
         .map(|(i, v)| v.mask_value().map_err(|e| format!("loss_mask[{i}]: {e}")))
         .collect()

@@ -9,6 +9,7 @@
 use super::pack::PaddedRun;
 use super::rng::PlanRng;
 use super::{Batch, Pair};
+use crate::parallel::both;
 
 /// One pile of one bucket: item positions `start..end` of the pair buffer.
 #[derive(Debug, Clone, Copy)]
@@ -16,34 +17,6 @@ pub struct Pile {
     pub bucket: u16,
     pub start: usize,
     pub end: usize,
-}
-
-/// Runs `a` here and `b` on a scoped helper thread (or here too, after `a`, when no thread can be
-/// started).
-fn both<A, B, RA, RB>(a: A, b: B) -> (RA, RB)
-where
-    A: FnOnce() -> RA,
-    B: FnOnce() -> RB + Send,
-    RB: Send,
-{
-    let slot = std::sync::Mutex::new(Some(b));
-    let take = || slot.lock().unwrap_or_else(|e| e.into_inner()).take();
-    std::thread::scope(|scope| {
-        let helper = std::thread::Builder::new()
-            .name("planner".into())
-            .spawn_scoped(scope, || take().map(|b| b()));
-        let ra = a();
-        let rb = match helper {
-            Ok(handle) => handle
-                .join()
-                .unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
-            Err(_) => None,
-        };
-        (
-            ra,
-            rb.unwrap_or_else(|| take().expect("helper closure not run")()),
-        )
-    })
 }
 
 /// Buffers at least this large are worth huge pages.
@@ -281,11 +254,5 @@ mod tests {
         for h in hits {
             assert!((65..135).contains(&h), "{hits:?}");
         }
-    }
-
-    #[test]
-    fn both_runs_both_sides() {
-        let (a, b) = both(|| 1, || 2);
-        assert_eq!((a, b), (1, 2));
     }
 }
