@@ -818,10 +818,26 @@ fn broken_save_to_disk_directory() {
     fs::create_dir(&ds).unwrap();
     let out = dir.path().join("store");
     fs::write(ds.join("state.json"), "{oops").unwrap();
-    assert_refused(&prepare(&["--input", arg(&ds), "--output", arg(&out)]), 2, "not a datasets state.json");
-    fs::write(ds.join("state.json"), r#"{"_data_files":[{"filename":"../../etc/passwd"}]}"#).unwrap();
-    assert_refused(&prepare(&["--input", arg(&ds), "--output", arg(&out)]), 2, "not a plain file name");
-    fs::write(ds.join("state.json"), r#"{"_data_files":[{"filename":"data-00000-of-00001.arrow"}]}"#).unwrap();
+    assert_refused(
+        &prepare(&["--input", arg(&ds), "--output", arg(&out)]),
+        2,
+        "not a datasets state.json",
+    );
+    fs::write(
+        ds.join("state.json"),
+        r#"{"_data_files":[{"filename":"../../etc/passwd"}]}"#,
+    )
+    .unwrap();
+    assert_refused(
+        &prepare(&["--input", arg(&ds), "--output", arg(&out)]),
+        2,
+        "not a plain file name",
+    );
+    fs::write(
+        ds.join("state.json"),
+        r#"{"_data_files":[{"filename":"data-00000-of-00001.arrow"}]}"#,
+    )
+    .unwrap();
     fs::write(ds.join("data-00000-of-00001.arrow"), b"not arrow at all").unwrap();
     let failed = prepare(&["--input", arg(&ds), "--output", arg(&out)]);
     assert_refused(&failed, 2, "data-00000-of-00001.arrow");

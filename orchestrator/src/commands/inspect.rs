@@ -8,7 +8,7 @@ use clap::Args;
 use serde::Serialize;
 
 use crate::cli::CliError;
-use crate::store::{SkipExample, SourceMeta, Store, StoreError};
+use crate::store::{SkipExample, SourceMeta, Store};
 
 #[derive(Debug, Clone, Args)]
 pub struct InspectArgs {
@@ -97,10 +97,7 @@ fn percentile(sorted: &[u32], p: f64) -> u32 {
 }
 
 pub fn run(args: InspectArgs) -> Result<(), CliError> {
-    let open_error = |e: StoreError| match e {
-        StoreError::Io { .. } => CliError::Failed(e.to_string()),
-        other => CliError::Invalid(other.to_string()),
-    };
+    let open_error = super::plan::store_error;
     let store = Store::open(&args.store).map_err(open_error)?;
     let verified = if args.verify {
         store.verify().map_err(open_error)?;

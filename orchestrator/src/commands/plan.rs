@@ -25,6 +25,10 @@ pub struct PlanArgs {
     #[arg(long, value_name = "STORE")]
     pub data: Option<PathBuf>,
 
+    /// With --data: verify the store's checksums before planning (reads the whole store).
+    #[arg(long, requires = "data")]
+    pub verify: bool,
+
     /// Sample lengths, one non-negative integer per line.
     #[arg(long, value_name = "FILE")]
     pub lengths: Option<PathBuf>,
@@ -137,10 +141,10 @@ fn load_lengths(args: &PlanArgs) -> Result<(Vec<u32>, String), CliError> {
         ));
     }
     if let Some(dir) = &args.data {
-        let store = crate::store::Store::open(dir).map_err(|e| match e {
-            crate::store::StoreError::Io { .. } => CliError::Failed(e.to_string()),
-            other => CliError::Invalid(other.to_string()),
-        })?;
+        let store = crate::store::Store::open(dir).map_err(store_error)?;
+        if args.verify {
+            store.verify().map_err(store_error)?;
+        }
         return Ok((store.lengths(), dir.display().to_string()));
     }
     let path = args.lengths.as_ref().expect("clap requires one input");
@@ -299,4 +303,13 @@ pub fn summary(s: &PlanStats, source: &str) -> String {
         s.plan_ms, s.setup_ms, s.epoch_ms
     );
     o
+}
+
+/// A store that cannot be used: I/O trouble is a failure, anything about its content is invalid
+/// input.
+pub fn store_error(e: crate::store::StoreError) -> CliError {
+    match e {
+        crate::store::StoreError::Io { .. } => CliError::Failed(e.to_string()),
+        other => CliError::Invalid(other.to_string()),
+    }
 }
