@@ -82,6 +82,24 @@ impl From<crate::planner::PlanError> for CliError {
     }
 }
 
+/// Prints a command's result on stdout: `value` as one JSON line with `--json`, else `text()`.
+pub fn print_result<T: serde::Serialize>(
+    json: bool,
+    value: &T,
+    text: impl FnOnce() -> String,
+) -> Result<(), CliError> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let printed = if json {
+        serde_json::to_writer(&mut out, value)
+            .map_err(std::io::Error::from)
+            .and_then(|()| writeln!(out))
+    } else {
+        out.write_all(text().as_bytes())
+    };
+    printed.map_err(|e| CliError::io("failed to write to stdout", e))
+}
+
 fn init_logging(verbose: u8) {
     use tracing_subscriber::EnvFilter;
     let default = match verbose {

@@ -1,7 +1,6 @@
 //! `dflash-orch inspect`: what a dataset store holds.
 
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::PathBuf;
 
 use clap::Args;
@@ -138,15 +137,7 @@ pub fn run(args: InspectArgs) -> Result<(), CliError> {
         sources: meta.sources,
         verified,
     };
-    let mut out = std::io::stdout().lock();
-    let printed = if args.json {
-        serde_json::to_writer(&mut out, &report)
-            .map_err(std::io::Error::from)
-            .and_then(|()| writeln!(out))
-    } else {
-        out.write_all(text(&report).as_bytes())
-    };
-    printed.map_err(|e| CliError::io("failed to write to stdout", e))
+    crate::cli::print_result(args.json, &report, || text(&report))
 }
 
 fn text(r: &Report) -> String {

@@ -186,15 +186,7 @@ pub fn run(args: PlanArgs) -> Result<(), CliError> {
             .map_err(|e| CliError::io(format!("failed to write {}", path.display()), e))?;
     }
 
-    let mut out = std::io::stdout().lock();
-    let printed = if args.json {
-        serde_json::to_writer(&mut out, &stats)
-            .map_err(std::io::Error::from)
-            .and_then(|()| writeln!(out))
-    } else {
-        out.write_all(summary(&stats, &source).as_bytes())
-    };
-    printed.map_err(|e| CliError::io("failed to write to stdout", e))
+    crate::cli::print_result(args.json, &stats, || summary(&stats, &source))
 }
 
 #[derive(Serialize)]

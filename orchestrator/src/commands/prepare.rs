@@ -1,7 +1,6 @@
 //! `dflash-orch prepare`: turn training data into a dataset store, once.
 
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -487,15 +486,9 @@ pub fn run(args: PrepareArgs) -> Result<(), CliError> {
         seconds,
         input_mb_per_s: input_bytes as f64 / 1e6 / seconds.max(1e-9),
     };
-    let mut out = std::io::stdout().lock();
-    let printed = if args.json {
-        serde_json::to_writer(&mut out, &summary)
-            .map_err(std::io::Error::from)
-            .and_then(|()| writeln!(out))
-    } else {
-        out.write_all(summary_text(&summary, &prep.skipped, &prep.examples).as_bytes())
-    };
-    printed.map_err(|e| CliError::io("failed to write to stdout", e))
+    crate::cli::print_result(args.json, &summary, || {
+        summary_text(&summary, &prep.skipped, &prep.examples)
+    })
 }
 
 fn reasons_line(skipped: &BTreeMap<Reason, u64>) -> String {

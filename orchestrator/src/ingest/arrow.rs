@@ -200,13 +200,55 @@ fn read_batch(
     Ok(())
 }
 
+/// Hands every row of every batch to the sink; `rows_done` hears the running row count after each
+/// batch. A batch that cannot be decoded rejects the rest of the file. Returns the rows read.
+fn read_batches<E: std::fmt::Display>(
+    path: &Path,
+    batches: impl Iterator<Item = Result<RecordBatch, E>>,
+    what: &str,
+    sink: &mut dyn Sink,
+    mut rows_done: impl FnMut(u64, &mut dyn Sink),
+) -> Result<u64, Stop> {
+    let mut row = 0u64;
+    for batch in batches {
+        let batch = match batch {
+            Ok(b) => b,
+            Err(e) => {
+                let at = Location {
+                    file: path.to_path_buf(),
+                    at: Position::Row(row),
+                };
+                return sink
+                    .reject(
+                        &at,
+                        Reason::UnreadableFile,
+                        format!("not a readable {what}: {e}"),
+                    )
+                    .map(|()| row);
+            }
+        };
+        read_batch(&batch, path, row, sink)?;
+        row += batch.num_rows() as u64;
+        rows_done(row, sink);
+    }
+    if row == 0 {
+        let at = Location {
+            file: path.to_path_buf(),
+            at: Position::File,
+        };
+        sink.reject(&at, Reason::EmptyFile, "no rows".into())?;
+    }
+    Ok(row)
+}
+
 /// Reads a Parquet file (only its `input_ids` and `loss_mask` columns are decoded).
 pub fn read_parquet(path: &Path, sink: &mut dyn Sink) -> Result<(), Stop> {
+    const WHAT: &str = "Parquet file";
     let file_at = Location {
         file: path.to_path_buf(),
         at: Position::File,
     };
-    let unreadable = |e: &dyn std::fmt::Display| format!("not a readable Parquet file: {e}");
+    let unreadable = |e: &dyn std::fmt::Display| format!("not a readable {WHAT}: {e}");
     let file = match File::open(path) {
         Ok(f) => f,
         Err(e) => return sink.reject(&file_at, Reason::UnreadableFile, unreadable(&e)),
@@ -240,38 +282,23 @@ pub fn read_parquet(path: &Path, sink: &mut dyn Sink) -> Result<(), Stop> {
         Ok(r) => r,
         Err(e) => return sink.reject(&file_at, Reason::UnreadableFile, unreadable(&e)),
     };
-    let mut row = 0u64;
     let mut reported = 0u64;
-    for batch in reader {
-        let batch = match batch {
-            Ok(b) => b,
-            Err(e) => {
-                let at = Location {
-                    file: path.to_path_buf(),
-                    at: Position::Row(row),
-                };
-                return sink.reject(&at, Reason::UnreadableFile, unreadable(&e));
-            }
-        };
-        read_batch(&batch, path, row, sink)?;
-        row += batch.num_rows() as u64;
-        let done = size * row.min(total_rows) / total_rows;
+    read_batches(path, reader, WHAT, sink, |rows, sink| {
+        let done = size * rows.min(total_rows) / total_rows;
         sink.progress(done - reported);
         reported = done;
-    }
-    if row == 0 {
-        sink.reject(&file_at, Reason::EmptyFile, "no rows".into())?;
-    }
+    })?;
     Ok(())
 }
 
 /// Reads one Arrow IPC stream file (a `save_to_disk` shard).
 pub fn read_arrow_stream(path: &Path, sink: &mut dyn Sink) -> Result<(), Stop> {
+    const WHAT: &str = "Arrow stream";
     let file_at = Location {
         file: path.to_path_buf(),
         at: Position::File,
     };
-    let unreadable = |e: &dyn std::fmt::Display| format!("not a readable Arrow stream: {e}");
+    let unreadable = |e: &dyn std::fmt::Display| format!("not a readable {WHAT}: {e}");
     let file = match File::open(path) {
         Ok(f) => f,
         Err(e) => return sink.reject(&file_at, Reason::UnreadableFile, unreadable(&e)),
@@ -281,25 +308,8 @@ pub fn read_arrow_stream(path: &Path, sink: &mut dyn Sink) -> Result<(), Stop> {
         Ok(r) => r,
         Err(e) => return sink.reject(&file_at, Reason::UnreadableFile, unreadable(&e)),
     };
-    let mut row = 0u64;
-    for batch in reader {
-        let batch = match batch {
-            Ok(b) => b,
-            Err(e) => {
-                let at = Location {
-                    file: path.to_path_buf(),
-                    at: Position::Row(row),
-                };
-                return sink.reject(&at, Reason::UnreadableFile, unreadable(&e));
-            }
-        };
-        read_batch(&batch, path, row, sink)?;
-        row += batch.num_rows() as u64;
-    }
+    read_batches(path, reader, WHAT, sink, |_, _| {})?;
     sink.progress(size);
-    if row == 0 {
-        sink.reject(&file_at, Reason::EmptyFile, "no rows".into())?;
-    }
     Ok(())
 }
 
