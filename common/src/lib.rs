@@ -1,5 +1,9 @@
 //! Contracts shared by the orchestrator and its workers: what crosses the process boundary or
-//! lands on disk, versioned, and nothing else. Logic never lives here.
+//! lands on disk, versioned, and nothing else.
+
+pub mod ring;
+pub mod run_dir;
+pub mod wire;
 
 /// Exit codes of both binaries; documented in each `--help`.
 pub mod exit_code {

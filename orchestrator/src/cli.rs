@@ -36,6 +36,16 @@ pub enum Command {
     Inspect(commands::inspect::InspectArgs),
     /// Plan the batches of one epoch and show what they look like (buckets, padding, runs).
     Plan(commands::plan::PlanArgs),
+    /// Start a run (or resume one): one worker per GPU, fed through shared memory.
+    Launch(commands::launch::LaunchArgs),
+    /// Show the live run: progress and every worker's state.
+    Status(commands::status::StatusArgs),
+    /// Restart one worker of the live run.
+    Restart(commands::restart::RestartArgs),
+    /// Stop the live run cleanly.
+    Stop(commands::stop::StopArgs),
+    /// Remove a dead run's shared-memory segments.
+    Clean(commands::clean::CleanArgs),
 }
 
 /// A failure of a command, with the exit code it maps to.
@@ -124,6 +134,11 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::Prepare(args) => commands::prepare::run(args),
         Command::Inspect(args) => commands::inspect::run(args),
         Command::Plan(args) => commands::plan::run(args),
+        Command::Launch(args) => commands::launch::run(args),
+        Command::Status(args) => commands::status::run(args),
+        Command::Restart(args) => commands::restart::run(args),
+        Command::Stop(args) => commands::stop::run(args),
+        Command::Clean(args) => commands::clean::run(args),
     }
 }
 

@@ -10,5 +10,6 @@ pub mod fsutil;
 pub mod ingest;
 pub mod parallel;
 pub mod planner;
+pub mod runtime;
 pub mod store;
 pub mod workload;

@@ -1,46 +1,180 @@
 //! dflash-worker: one process per GPU (or CPU slot), spawned and supervised by `dflash-orch`.
 //!
-//! A worker attaches to the run's shared-memory rings, runs its stage (target forward, drafter
-//! training, or the synthetic stage used by tests) on the batches the orchestrator hands it, and
-//! acknowledges each one. It is never started by hand: `dflash-orch launch` starts one per GPU.
+//! A worker connects to the orchestrator over ipc-channel, maps the run's shared-memory rings,
+//! and runs its stage on the batches the orchestrator hands it, one job at a time, answering each.
+//! A heartbeat thread tells the orchestrator it is alive; when the orchestrator goes away the
+//! worker exits (and the kernel kills it if the orchestrator dies: PR_SET_PDEATHSIG).
 
+pub mod stage;
+
+use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use clap::Parser;
 use dflash_common::exit_code;
+use dflash_common::ring::Ring;
+use dflash_common::wire::{Event, Hello, Job, PROTOCOL, Role};
+use ipc_channel::ipc::{self, IpcSender};
 
 const AFTER_HELP: &str = "\
-dflash-worker is started by `dflash-orch launch`, one per GPU; run `dflash-orch launch --help` to start a run.
+dflash-worker is started by `dflash-orch launch`, one per GPU, with these options filled in; run
+`dflash-orch launch --help` to start a run.
 
 Exit codes:
   0  stopped on request
-  1  failed while working
+  1  failed while working (lost the orchestrator, bad ring, stage error)
   2  invalid arguments";
 
 /// One worker process of a dflash-orch run.
 #[derive(Debug, Parser)]
 #[command(name = "dflash-worker", version, after_help = AFTER_HELP)]
-pub struct WorkerArgs {}
+pub struct WorkerArgs {
+    /// Name of the orchestrator's one-shot IPC server.
+    #[arg(long, value_name = "NAME")]
+    pub ipc: Option<String>,
+
+    /// This worker's id within the run.
+    #[arg(long, value_name = "ID", default_value_t = 0)]
+    pub worker: u32,
+
+    /// target | drafter.
+    #[arg(long, value_name = "ROLE", default_value = "target")]
+    pub role: String,
+
+    /// The stage to run: synthetic (tests and benchmarks: derives features from tokens and checks
+    /// them; no model).
+    #[arg(long, value_name = "STAGE", default_value = "synthetic")]
+    pub stage: String,
+
+    /// Synthetic stage: microseconds spent per token of a forward pass.
+    #[arg(long, value_name = "US", default_value_t = 0.0)]
+    pub synthetic_us_per_token: f64,
+
+    /// The input ring (shared memory).
+    #[arg(long, value_name = "PATH")]
+    pub input_ring: Option<PathBuf>,
+
+    /// The feature ring (shared memory).
+    #[arg(long, value_name = "PATH")]
+    pub feature_ring: Option<PathBuf>,
+
+    /// Interval between heartbeats.
+    #[arg(long, value_name = "MS", default_value_t = 200)]
+    pub heartbeat_ms: u64,
+}
 
 /// Why a worker stopped.
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
     #[error("no orchestrator to serve: dflash-worker is started by `dflash-orch launch`")]
     NoOrchestrator,
+    #[error("{0}")]
+    Invalid(String),
+    #[error("lost the orchestrator: {0}")]
+    Disconnected(String),
+    #[error(transparent)]
+    Ring(#[from] dflash_common::ring::RingError),
 }
 
 impl WorkerError {
     pub fn exit_code(&self) -> u8 {
         match self {
-            WorkerError::NoOrchestrator => exit_code::INVALID,
+            WorkerError::NoOrchestrator | WorkerError::Invalid(_) => exit_code::INVALID,
+            WorkerError::Disconnected(_) | WorkerError::Ring(_) => exit_code::FAILURE,
         }
     }
 }
 
-/// Serves the orchestrator that started this process. Without one (started by hand) there is
-/// nothing to serve.
-pub fn run(_args: WorkerArgs) -> Result<(), WorkerError> {
-    Err(WorkerError::NoOrchestrator)
+fn open_ring(path: &Option<PathBuf>, what: &str) -> Result<Ring, WorkerError> {
+    let path = path
+        .as_ref()
+        .ok_or_else(|| WorkerError::Invalid(format!("--{what}-ring is required")))?;
+    Ok(Ring::open(path)?)
+}
+
+/// Serves the orchestrator that started this process until told to stop.
+pub fn run(args: WorkerArgs) -> Result<(), WorkerError> {
+    let name = args.ipc.clone().ok_or(WorkerError::NoOrchestrator)?;
+    let role = match args.role.as_str() {
+        "target" => Role::Target,
+        "drafter" => Role::Drafter,
+        other => return Err(WorkerError::Invalid(format!("unknown role {other:?}"))),
+    };
+    if args.stage != "synthetic" {
+        return Err(WorkerError::Invalid(format!(
+            "unknown stage {:?} (this build has: synthetic)",
+            args.stage
+        )));
+    }
+    let lost = |e: &dyn std::fmt::Display| WorkerError::Disconnected(e.to_string());
+    let bootstrap = IpcSender::<Hello>::connect(name).map_err(|e| lost(&e))?;
+    let (jobs_tx, jobs) = ipc::channel::<Job>().map_err(|e| lost(&e))?;
+    let (events, events_rx) = ipc::channel::<Event>().map_err(|e| lost(&e))?;
+    bootstrap
+        .send(Hello {
+            protocol: PROTOCOL,
+            worker: args.worker,
+            pid: std::process::id(),
+            jobs: jobs_tx,
+            events: events_rx,
+        })
+        .map_err(|e| lost(&e))?;
+
+    let heartbeat = events.clone();
+    let every = Duration::from_millis(args.heartbeat_ms.max(1));
+    std::thread::Builder::new()
+        .name("heartbeat".into())
+        .spawn(move || {
+            while heartbeat.send(Event::Heartbeat).is_ok() {
+                std::thread::sleep(every);
+            }
+            // The orchestrator is gone: nobody will read our results.
+            std::process::exit(i32::from(exit_code::FAILURE));
+        })
+        .map_err(|e| lost(&e))?;
+
+    let mut feature_ring = open_ring(&args.feature_ring, "feature")?;
+    let input_ring = match role {
+        Role::Target => Some(open_ring(&args.input_ring, "input")?),
+        Role::Drafter => None,
+    };
+    let mut stage = stage::Synthetic::new(args.synthetic_us_per_token);
+    events.send(Event::Ready).map_err(|e| lost(&e))?;
+    loop {
+        let job = jobs.recv().map_err(|e| lost(&e))?;
+        let reply = match job {
+            Job::Stop => return Ok(()),
+            Job::Forward { id, input, feature } => {
+                let ring = input_ring
+                    .as_ref()
+                    .ok_or_else(|| WorkerError::Invalid("a drafter got a forward job".into()))?;
+                match stage.forward(ring, input, &mut feature_ring, feature) {
+                    Ok(()) => Event::Forwarded { id },
+                    Err(reason) => Event::Failed {
+                        id: Some(id),
+                        reason,
+                    },
+                }
+            }
+            Job::Train {
+                id,
+                feature,
+                checksum,
+            } => match stage.train(&feature_ring, feature, checksum) {
+                Ok(found) => Event::Trained {
+                    id,
+                    checksum: found,
+                },
+                Err(reason) => Event::Failed {
+                    id: Some(id),
+                    reason,
+                },
+            },
+        };
+        events.send(reply).map_err(|e| lost(&e))?;
+        events.send(Event::Ready).map_err(|e| lost(&e))?;
+    }
 }
 
 /// The binary's `main`.

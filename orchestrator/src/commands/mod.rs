@@ -1,5 +1,10 @@
 //! One module per `dflash-orch` subcommand.
 
+pub mod clean;
 pub mod inspect;
+pub mod launch;
 pub mod plan;
 pub mod prepare;
+pub mod restart;
+pub mod status;
+pub mod stop;

@@ -42,6 +42,29 @@ pub struct PlanArgs {
     #[arg(long, value_name = "S", default_value_t = 0, requires = "synthetic")]
     pub synthetic_seed: u64,
 
+    #[command(flatten)]
+    pub planner: PlannerFlags,
+
+    /// Epoch to plan (composition is re-drawn every epoch).
+    #[arg(long, default_value_t = 0)]
+    pub epoch: u64,
+
+    /// Print one JSON object on stdout instead of the summary.
+    #[arg(long)]
+    pub json: bool,
+
+    /// Write the plan, one JSON line per batch in plan order.
+    #[arg(long, value_name = "FILE")]
+    pub dump: Option<PathBuf>,
+
+    /// Draw the plan as an SVG chart (bucket of each step, shares, padding per bucket).
+    #[arg(long, value_name = "FILE.svg")]
+    pub report: Option<PathBuf>,
+}
+
+/// The planner's options, shared by `plan` and `launch`.
+#[derive(Debug, Clone, Args)]
+pub struct PlannerFlags {
     /// Tokens per batch: samples × longest sample for padded modes, real tokens for `packed`.
     #[arg(long, value_name = "TOKENS", default_value_t = 49_152)]
     pub token_budget: u64,
@@ -75,26 +98,10 @@ pub struct PlanArgs {
     /// Seed of the plan: with the epoch, it fixes every batch.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-
-    /// Epoch to plan (composition is re-drawn every epoch).
-    #[arg(long, default_value_t = 0)]
-    pub epoch: u64,
-
-    /// Print one JSON object on stdout instead of the summary.
-    #[arg(long)]
-    pub json: bool,
-
-    /// Write the plan, one JSON line per batch in plan order.
-    #[arg(long, value_name = "FILE")]
-    pub dump: Option<PathBuf>,
-
-    /// Draw the plan as an SVG chart (bucket of each step, shares, padding per bucket).
-    #[arg(long, value_name = "FILE.svg")]
-    pub report: Option<PathBuf>,
 }
 
 /// Turns raw arguments into a checked planner configuration; fails before any input is read.
-pub fn config_from_args(args: &PlanArgs) -> Result<PlanConfig, CliError> {
+pub fn config_from_args(args: &PlannerFlags) -> Result<PlanConfig, CliError> {
     if args.mode != Mode::Bucketed {
         if args.buckets.is_some() {
             return Err(CliError::Invalid(format!(
@@ -162,7 +169,7 @@ fn load_lengths(args: &PlanArgs) -> Result<(Vec<u32>, String), CliError> {
 }
 
 pub fn run(args: PlanArgs) -> Result<(), CliError> {
-    let config = config_from_args(&args)?;
+    let config = config_from_args(&args.planner)?;
     let (lengths, source) = load_lengths(&args)?;
     tracing::info!(samples = lengths.len(), %source, "planning");
 

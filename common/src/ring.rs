@@ -1,0 +1,362 @@
+//! Shared-memory rings: the layout both sides agree on, and mapping a ring.
+//!
+//! A ring is one file under `/dev/shm` (mode 0600, the run id in its name): a 64-byte header, then
+//! `slot_count` slots of `slot_bytes` each. Every slot starts with a 64-byte [`SlotHeader`]:
+//! `generation` (set by the orchestrator each time it fills or assigns the slot), `written` (the
+//! generation whose data a worker finished writing, for feature slots) and the batch shape; then
+//! the data. The ring header's magic is written last, so a reader never sees a half-made ring.
+//!
+//! Who writes what, and when, is decided by the orchestrator's dispatcher alone; a slot is never
+//! written while it is being read. The atomics below only order each writer's data before the
+//! number that publishes it.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// "DFLRING1", little-endian.
+pub const MAGIC: u64 = u64::from_le_bytes(*b"DFLRING1");
+/// Layout version: bumped on any change to the header, slot header or data layout.
+pub const LAYOUT_VERSION: u32 = 1;
+pub const HEADER_BYTES: usize = 64;
+pub const SLOT_HEADER_BYTES: usize = 64;
+
+/// How a batch's tokens are laid out in an input slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
+pub enum Layout {
+    /// `count` rows of `max_len` tokens, right-padded with 0; `lengths[count]` before them.
+    Padded = 0,
+    /// Sequences concatenated; `cu_seqlens[count + 1]` before them.
+    Packed = 1,
+}
+
+/// Shape of the batch in a slot (after the two generation words of the slot header).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct SlotMeta {
+    pub layout: u32,
+    /// Samples in the batch.
+    pub count: u32,
+    pub max_len: u32,
+    /// Real (unpadded) tokens.
+    pub tokens: u32,
+    /// Byte offset of the token array within the slot's data.
+    pub tokens_offset: u32,
+    /// Checksum of the real tokens, in sample order ([`token_checksum`]).
+    pub checksum: u32,
+}
+
+/// Checksum of token ids (FNV-1a over the 32-bit words): what the orchestrator wrote, what the
+/// drafter must find again.
+pub fn token_checksum(tokens: impl IntoIterator<Item = u32>) -> u32 {
+    let mut h: u32 = 0x811c_9dc5;
+    for t in tokens {
+        h ^= t;
+        h = h.wrapping_mul(0x0100_0193);
+    }
+    h
+}
+
+/// Data bytes a slot needs to hold a batch of at most `token_budget` tokens, with its per-sample
+/// array (`lengths` or `cu_seqlens`).
+pub fn input_data_bytes(token_budget: u64) -> u64 {
+    4 * (token_budget + 1) + 4 * token_budget
+}
+
+/// Why a ring cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum RingError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("{path}: not a ring (bad magic or too small)")]
+    NotARing { path: PathBuf },
+    #[error("{path}: ring layout version {found}, this build uses {LAYOUT_VERSION}")]
+    Version { path: PathBuf, found: u32 },
+    #[error(
+        "{path}: ring header says {slots} slots of {slot_bytes} bytes, the file has {len} bytes"
+    )]
+    Size {
+        path: PathBuf,
+        slots: u32,
+        slot_bytes: u64,
+        len: u64,
+    },
+    #[error("slot {slot}: expected generation {expected}, found {found} (stale or reused slot)")]
+    Generation {
+        slot: u32,
+        expected: u64,
+        found: u64,
+    },
+    #[error("slot {slot}: batch shape does not fit the slot ({reason})")]
+    Shape { slot: u32, reason: String },
+}
+
+/// A mapped ring.
+pub struct Ring {
+    path: PathBuf,
+    map: memmap2::MmapMut,
+    slot_count: u32,
+    slot_bytes: u64,
+}
+
+// SAFETY: the mapping is plain memory; cross-process access is coordinated by the protocol above.
+unsafe impl Send for Ring {}
+
+impl Ring {
+    /// Creates a ring (replacing a stale file of the same name), owner-only, header last.
+    pub fn create(path: &Path, slot_count: u32, slot_bytes: u64) -> Result<Ring, RingError> {
+        let io = |source| RingError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        let slot_bytes = slot_bytes.next_multiple_of(64);
+        let len = HEADER_BYTES as u64 + u64::from(slot_count) * slot_bytes;
+        let _ = std::fs::remove_file(path);
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(path)
+            .map_err(io)?;
+        file.set_len(len).map_err(io)?;
+        // Touch every page now, so a /dev/shm too small fails here rather than with SIGBUS later.
+        allocate(&file, len).map_err(io)?;
+        // SAFETY: a new file of ours, sized above; only this run maps it.
+        let map = unsafe { memmap2::MmapMut::map_mut(&file) }.map_err(io)?;
+        let mut ring = Ring {
+            path: path.to_path_buf(),
+            map,
+            slot_count,
+            slot_bytes,
+        };
+        ring.map[8..12].copy_from_slice(&LAYOUT_VERSION.to_le_bytes());
+        ring.map[12..16].copy_from_slice(&slot_count.to_le_bytes());
+        ring.map[16..24].copy_from_slice(&slot_bytes.to_le_bytes());
+        // SYNC POINT: publishes the header fields above to any process that reads MAGIC.
+        ring.word(0).store(MAGIC, Ordering::Release);
+        Ok(ring)
+    }
+
+    /// Opens an existing ring and checks its header.
+    pub fn open(path: &Path) -> Result<Ring, RingError> {
+        let io = |source| RingError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(io)?;
+        let len = file.metadata().map_err(io)?.len();
+        if len < HEADER_BYTES as u64 {
+            return Err(RingError::NotARing {
+                path: path.to_path_buf(),
+            });
+        }
+        // SAFETY: the run's own ring; its owner keeps it sized while the run lives.
+        let map = unsafe { memmap2::MmapMut::map_mut(&file) }.map_err(io)?;
+        let mut ring = Ring {
+            path: path.to_path_buf(),
+            map,
+            slot_count: 0,
+            slot_bytes: 0,
+        };
+        // SYNC POINT: pairs with the Release store of MAGIC in `create`.
+        if ring.word(0).load(Ordering::Acquire) != MAGIC {
+            return Err(RingError::NotARing {
+                path: path.to_path_buf(),
+            });
+        }
+        let version = u32::from_le_bytes(ring.map[8..12].try_into().expect("4 bytes"));
+        if version != LAYOUT_VERSION {
+            return Err(RingError::Version {
+                path: path.to_path_buf(),
+                found: version,
+            });
+        }
+        let slots = u32::from_le_bytes(ring.map[12..16].try_into().expect("4 bytes"));
+        let slot_bytes = u64::from_le_bytes(ring.map[16..24].try_into().expect("8 bytes"));
+        let needed = u64::from(slots)
+            .checked_mul(slot_bytes)
+            .and_then(|b| b.checked_add(HEADER_BYTES as u64));
+        if slot_bytes < SLOT_HEADER_BYTES as u64
+            || !slot_bytes.is_multiple_of(64)
+            || needed != Some(len)
+        {
+            return Err(RingError::Size {
+                path: path.to_path_buf(),
+                slots,
+                slot_bytes,
+                len,
+            });
+        }
+        ring.slot_count = slots;
+        ring.slot_bytes = slot_bytes;
+        Ok(ring)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn slot_count(&self) -> u32 {
+        self.slot_count
+    }
+
+    /// Data bytes per slot.
+    pub fn data_bytes(&self) -> usize {
+        self.slot_bytes as usize - SLOT_HEADER_BYTES
+    }
+
+    fn word(&self, offset: usize) -> &AtomicU64 {
+        assert!(offset.is_multiple_of(8) && offset + 8 <= self.map.len());
+        // SAFETY: in bounds and 8-aligned (the mapping is page-aligned); only ever accessed
+        // atomically.
+        unsafe { AtomicU64::from_ptr(self.map.as_ptr().add(offset) as *mut u64) }
+    }
+
+    fn slot_offset(&self, slot: u32) -> usize {
+        assert!(slot < self.slot_count, "slot {slot} of {}", self.slot_count);
+        HEADER_BYTES + slot as usize * self.slot_bytes as usize
+    }
+
+    /// The generation the orchestrator last gave the slot.
+    pub fn generation(&self, slot: u32) -> u64 {
+        // SYNC POINT: pairs with the Release store in `publish`: data and meta before it are seen.
+        self.word(self.slot_offset(slot)).load(Ordering::Acquire)
+    }
+
+    /// Publishes the slot's data and meta under a new generation.
+    pub fn publish(&mut self, slot: u32, generation: u64, meta: SlotMeta) {
+        let off = self.slot_offset(slot);
+        self.map[off + 16..off + 16 + std::mem::size_of::<SlotMeta>()]
+            .copy_from_slice(bytemuck::bytes_of(&meta));
+        // SYNC POINT: everything written to the slot before this is visible to a reader that
+        // loads this generation with Acquire.
+        self.word(off).store(generation, Ordering::Release);
+    }
+
+    /// The generation whose data a worker last finished writing into the slot.
+    pub fn written(&self, slot: u32) -> u64 {
+        // SYNC POINT: pairs with the Release store in `mark_written`.
+        self.word(self.slot_offset(slot) + 8)
+            .load(Ordering::Acquire)
+    }
+
+    /// Marks the data written for `generation` (by the worker that wrote it).
+    pub fn mark_written(&mut self, slot: u32, generation: u64, meta: SlotMeta) {
+        let off = self.slot_offset(slot);
+        self.map[off + 16..off + 16 + std::mem::size_of::<SlotMeta>()]
+            .copy_from_slice(bytemuck::bytes_of(&meta));
+        // SYNC POINT: the feature data written before this is visible to whoever loads `written`.
+        self.word(off + 8).store(generation, Ordering::Release);
+    }
+
+    pub fn meta(&self, slot: u32) -> SlotMeta {
+        let off = self.slot_offset(slot) + 16;
+        bytemuck::pod_read_unaligned(&self.map[off..off + std::mem::size_of::<SlotMeta>()])
+    }
+
+    /// Checks that the slot holds what `expected` says, for a reader.
+    pub fn check(&self, slot: u32, expected: u64) -> Result<SlotMeta, RingError> {
+        let found = self.generation(slot);
+        if found != expected {
+            return Err(RingError::Generation {
+                slot,
+                expected,
+                found,
+            });
+        }
+        Ok(self.meta(slot))
+    }
+
+    pub fn data(&self, slot: u32) -> &[u8] {
+        let off = self.slot_offset(slot) + SLOT_HEADER_BYTES;
+        &self.map[off..off + self.data_bytes()]
+    }
+
+    pub fn data_mut(&mut self, slot: u32) -> &mut [u8] {
+        let off = self.slot_offset(slot) + SLOT_HEADER_BYTES;
+        let n = self.data_bytes();
+        &mut self.map[off..off + n]
+    }
+}
+
+/// Reserves the file's blocks (tmpfs: its memory) so that a full `/dev/shm` is an error now.
+fn allocate(file: &File, len: u64) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let len = libc::off_t::try_from(len).map_err(io::Error::other)?;
+    // SAFETY: a valid descriptor and a range inside the file.
+    match unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len) } {
+        0 => Ok(()),
+        // posix_fallocate returns the error number rather than setting errno.
+        errno => Err(io::Error::from_raw_os_error(errno)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn temp(name: &str) -> PathBuf {
+        std::env::temp_dir().join(format!("dflash-ring-test-{}-{name}", std::process::id()))
+    }
+
+    #[test]
+    fn create_publish_open_check() {
+        let path = temp("a");
+        let mut ring = Ring::create(&path, 3, 1000).unwrap();
+        assert_eq!(ring.data_bytes(), 1024 - 64);
+        ring.data_mut(1)[..4].copy_from_slice(&7u32.to_le_bytes());
+        let meta = SlotMeta {
+            layout: Layout::Packed as u32,
+            count: 1,
+            max_len: 1,
+            tokens: 1,
+            tokens_offset: 0,
+            checksum: token_checksum([7]),
+        };
+        ring.publish(1, 5, meta);
+        let other = Ring::open(&path).unwrap();
+        assert_eq!(other.check(1, 5).unwrap(), meta);
+        assert_eq!(&other.data(1)[..4], &7u32.to_le_bytes());
+        assert!(matches!(
+            other.check(1, 4),
+            Err(RingError::Generation { .. })
+        ));
+        let mode = std::fs::metadata(&path).unwrap().permissions();
+        assert_eq!(
+            std::os::unix::fs::PermissionsExt::mode(&mode) & 0o777,
+            0o600
+        );
+        std::fs::remove_file(&path).unwrap();
+    }
+
+    #[test]
+    fn rejects_bad_headers() {
+        let path = temp("b");
+        std::fs::write(&path, [0u8; 10]).unwrap();
+        assert!(matches!(Ring::open(&path), Err(RingError::NotARing { .. })));
+        std::fs::write(&path, [0u8; 200]).unwrap();
+        assert!(matches!(Ring::open(&path), Err(RingError::NotARing { .. })));
+        Ring::create(&path, 2, 128).unwrap();
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[8] = 9;
+        std::fs::write(&path, &bytes).unwrap();
+        assert!(matches!(Ring::open(&path), Err(RingError::Version { .. })));
+        bytes[8] = 1;
+        bytes.truncate(bytes.len() - 64);
+        std::fs::write(&path, &bytes).unwrap();
+        assert!(matches!(Ring::open(&path), Err(RingError::Size { .. })));
+        std::fs::remove_file(&path).unwrap();
+    }
+}

@@ -1,0 +1,49 @@
+//! Names of the files in a run directory, and of the run's shared-memory segments.
+
+use std::path::{Path, PathBuf};
+
+/// Append-only, fsync'd JSON lines: the record a resume reads.
+pub const JOURNAL: &str = "journal.jsonl";
+/// The orchestrator's control socket (mode 0600).
+pub const CONTROL_SOCKET: &str = "control.sock";
+/// Held (flock) by the live orchestrator of the run.
+pub const LOCK: &str = "run.lock";
+
+pub fn journal(run_dir: &Path) -> PathBuf {
+    run_dir.join(JOURNAL)
+}
+
+pub fn control_socket(run_dir: &Path) -> PathBuf {
+    run_dir.join(CONTROL_SOCKET)
+}
+
+pub fn lock(run_dir: &Path) -> PathBuf {
+    run_dir.join(LOCK)
+}
+
+/// Where shared-memory segments live.
+pub const SHM_DIR: &str = "/dev/shm";
+
+/// The id of a run directory: stable across launches of the same directory, so a new launch finds
+/// and removes what an earlier one left in shared memory. FNV-1a of the canonical path.
+pub fn run_id(run_dir: &Path) -> String {
+    let canonical = run_dir
+        .canonicalize()
+        .unwrap_or_else(|_| run_dir.to_path_buf());
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in canonical.as_os_str().as_encoded_bytes() {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    format!("{h:016x}")
+}
+
+/// Path of one of the run's segments (`input`, `feature`).
+pub fn segment(run_id: &str, ring: &str) -> PathBuf {
+    Path::new(SHM_DIR).join(format!("dflash-{run_id}-{ring}"))
+}
+
+/// Prefix shared by every segment of the run.
+pub fn segment_prefix(run_id: &str) -> String {
+    format!("dflash-{run_id}-")
+}

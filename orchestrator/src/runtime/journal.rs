@@ -1,0 +1,265 @@
+//! The run journal: append-only, fsync'd JSON lines, everything a resume needs.
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// One journal line.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum Entry {
+    /// First line: the run's parameters (what a resume re-plans from).
+    Run {
+        version: u32,
+        config: Value,
+    },
+    /// An orchestrator (re)started the run.
+    Resume {
+        committed: u64,
+    },
+    Epoch {
+        epoch: u32,
+        batches: u64,
+    },
+    Commit {
+        epoch: u32,
+        step: u64,
+        batch: u64,
+        samples: u32,
+        checksum: u32,
+    },
+    WorkerStart {
+        worker: u32,
+        role: String,
+        pid: u32,
+    },
+    WorkerExit {
+        worker: u32,
+        pid: u32,
+        reason: String,
+    },
+    End {
+        status: String,
+        reason: Option<String>,
+    },
+}
+
+pub const VERSION: u32 = 1;
+
+/// Appends entries, each flushed to disk before `append` returns.
+pub struct JournalWriter {
+    path: PathBuf,
+    file: File,
+}
+
+impl JournalWriter {
+    pub fn open(path: &Path) -> io::Result<Self> {
+        let file = OpenOptions::new().create(true).append(true).open(path)?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            file,
+        })
+    }
+
+    pub fn append(&mut self, entry: &Entry) -> io::Result<()> {
+        let mut line = serde_json::to_vec(entry).map_err(io::Error::other)?;
+        line.push(b'\n');
+        self.file.write_all(&line)?;
+        self.file.sync_data()
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+/// A journal that cannot be read.
+#[derive(Debug, thiserror::Error)]
+pub enum JournalError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("{path}:{line}: corrupt journal line: {reason}")]
+    Corrupt {
+        path: PathBuf,
+        line: usize,
+        reason: String,
+    },
+}
+
+/// What a journal says, read back.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct History {
+    pub config: Option<Value>,
+    /// Commits of each epoch, in order (`batch` numbers, contiguous from 0).
+    pub committed: Vec<u64>,
+    /// Batches of each epoch that was started.
+    pub epoch_batches: Vec<u64>,
+    pub ended: Option<String>,
+    /// A last line cut short by a crash was dropped.
+    pub torn_tail: bool,
+}
+
+impl History {
+    pub fn total_committed(&self) -> u64 {
+        self.committed.iter().sum()
+    }
+}
+
+/// Reads a journal. A last line without its newline (a write cut short by a crash) is ignored;
+/// any other line that is not a journal entry, or commits out of plan order, are an error naming
+/// the line.
+pub fn read(path: &Path) -> Result<History, JournalError> {
+    let bytes = std::fs::read(path).map_err(|source| JournalError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let mut history = History::default();
+    let text_lines: Vec<&[u8]> = bytes.split(|&b| b == b'\n').collect();
+    let last = text_lines.len() - 1;
+    for (i, raw) in text_lines.iter().enumerate() {
+        let line = i + 1;
+        let corrupt = |reason: String| JournalError::Corrupt {
+            path: path.to_path_buf(),
+            line,
+            reason,
+        };
+        if raw.iter().all(u8::is_ascii_whitespace) {
+            continue;
+        }
+        let entry: Entry = match serde_json::from_slice(raw) {
+            Ok(e) => e,
+            Err(_) if i == last => {
+                history.torn_tail = true;
+                break;
+            }
+            Err(e) => return Err(corrupt(e.to_string())),
+        };
+        match entry {
+            Entry::Run { version, config } => {
+                if version != VERSION {
+                    return Err(corrupt(format!(
+                        "journal version {version}, this build writes {VERSION}"
+                    )));
+                }
+                if history.config.is_some() {
+                    return Err(corrupt("a second run line".into()));
+                }
+                history.config = Some(config);
+            }
+            Entry::Epoch { epoch, batches } => {
+                if epoch as usize != history.epoch_batches.len()
+                    && epoch as usize + 1 != history.epoch_batches.len()
+                {
+                    return Err(corrupt(format!("epoch {epoch} out of order")));
+                }
+                if epoch as usize == history.epoch_batches.len() {
+                    history.epoch_batches.push(batches);
+                    history.committed.push(0);
+                }
+            }
+            Entry::Commit { epoch, batch, .. } => {
+                let e = epoch as usize;
+                if e + 1 != history.committed.len() {
+                    return Err(corrupt(format!(
+                        "commit for epoch {epoch}, not the current epoch"
+                    )));
+                }
+                if batch != history.committed[e] {
+                    return Err(corrupt(format!(
+                        "commit of batch {batch}, expected batch {} (commits are in plan order)",
+                        history.committed[e]
+                    )));
+                }
+                history.committed[e] += 1;
+            }
+            Entry::End { status, .. } => history.ended = Some(status),
+            Entry::Resume { .. } => history.ended = None,
+            Entry::WorkerStart { .. } | Entry::WorkerExit { .. } => {}
+        }
+        if history.config.is_none() {
+            return Err(corrupt("the journal does not start with a run line".into()));
+        }
+    }
+    Ok(history)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(lines: &str) -> (tempfile_dir::Dir, PathBuf) {
+        let dir = tempfile_dir::Dir::new();
+        let path = dir.0.join("journal.jsonl");
+        std::fs::write(&path, lines).unwrap();
+        (dir, path)
+    }
+
+    mod tempfile_dir {
+        pub struct Dir(pub std::path::PathBuf);
+        impl Dir {
+            pub fn new() -> Self {
+                use std::sync::atomic::{AtomicU32, Ordering};
+                static N: AtomicU32 = AtomicU32::new(0);
+                let p = std::env::temp_dir().join(format!(
+                    "dflash-journal-{}-{}",
+                    std::process::id(),
+                    N.fetch_add(1, Ordering::Relaxed)
+                ));
+                std::fs::create_dir_all(&p).unwrap();
+                Dir(p)
+            }
+        }
+        impl Drop for Dir {
+            fn drop(&mut self) {
+                let _ = std::fs::remove_dir_all(&self.0);
+            }
+        }
+    }
+
+    const RUN: &str = r#"{"event":"run","version":1,"config":{}}"#;
+
+    #[test]
+    fn reads_commits_per_epoch() {
+        let text = format!(
+            "{RUN}\n{}\n{}\n{}\n{}\n",
+            r#"{"event":"epoch","epoch":0,"batches":2}"#,
+            r#"{"event":"commit","epoch":0,"step":0,"batch":0,"samples":3,"checksum":1}"#,
+            r#"{"event":"commit","epoch":0,"step":1,"batch":1,"samples":3,"checksum":1}"#,
+            r#"{"event":"epoch","epoch":1,"batches":2}"#,
+        );
+        let (_d, p) = write(&text);
+        let h = read(&p).unwrap();
+        assert_eq!(h.committed, vec![2, 0]);
+        assert_eq!(h.total_committed(), 2);
+    }
+
+    #[test]
+    fn torn_last_line_is_dropped_and_corrupt_lines_are_named() {
+        let (_d, p) = write(&format!("{RUN}\n{{\"event\":\"epo"));
+        assert!(read(&p).unwrap().torn_tail);
+        let (_d, p) = write(&format!("{RUN}\nnot json\n{RUN}\n"));
+        let e = read(&p).unwrap_err().to_string();
+        assert!(e.contains(":2: corrupt journal line"), "{e}");
+        let text = format!(
+            "{RUN}\n{}\n{}\n",
+            r#"{"event":"epoch","epoch":0,"batches":2}"#,
+            r#"{"event":"commit","epoch":0,"step":1,"batch":1,"samples":3,"checksum":1}"#
+        );
+        let (_d, p) = write(&text);
+        assert!(
+            read(&p)
+                .unwrap_err()
+                .to_string()
+                .contains(":3: corrupt journal line: commit of batch 1, expected batch 0")
+        );
+        let (_d, p) = write(r#"{"event":"epoch","epoch":0,"batches":2}"#);
+        assert!(read(&p).is_err() || read(&p).unwrap().torn_tail);
+    }
+}

@@ -1,0 +1,1269 @@
+//! The runtime: one orchestrator feeding planned batches through shared-memory rings to pinned
+//! worker processes, supervising them, and journaling every committed step.
+//!
+//! The main loop owns every piece of run state (slots, leases, workers, plan cursor); threads only
+//! forward messages to it (worker IPC readers, the control socket). Workers pull: an idle target
+//! gets the next batch in plan order, drafters get features in plan order, and the loop commits
+//! steps strictly in plan order. A worker that dies or hangs has its leases reclaimed (its batch
+//! goes back to the front of the queue) and is restarted with backoff.
+
+pub mod control;
+pub mod journal;
+pub mod spec;
+pub mod workers;
+
+use std::collections::{BTreeSet, VecDeque};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use dflash_common::ring::{Layout, Ring, SlotMeta, input_data_bytes, token_checksum};
+use dflash_common::run_dir;
+use dflash_common::wire::{BatchId, Event, Job, Role, SlotRef};
+use ipc_channel::ipc::IpcSender;
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+
+use crate::planner::{EpochPlan, Layout as PlanLayout, PlanConfig, Planner};
+use crate::store::Store;
+use journal::{Entry, JournalWriter};
+use spec::{Device, Topology};
+
+/// Everything that defines a run; written to the journal's first line and read back by a resume.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunConfig {
+    pub gpus: String,
+    pub topology: Option<String>,
+    pub data: Option<PathBuf>,
+    pub synthetic: Option<usize>,
+    pub synthetic_seed: u64,
+    pub stage: String,
+    pub synthetic_us_per_token: f64,
+    pub epochs: u32,
+    pub planner: PlannerSettings,
+    pub max_restarts: u32,
+    pub restart_window_s: f64,
+    pub heartbeat_timeout_s: f64,
+    pub heartbeat_ms: u64,
+}
+
+/// The planner options, as text (how they are written on the command line).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PlannerSettings {
+    pub mode: String,
+    pub interleave: String,
+    pub buckets: String,
+    pub token_budget: u64,
+    pub max_len: u32,
+    pub on_overlong: String,
+    pub accum: u32,
+    pub seed: u64,
+}
+
+impl PlannerSettings {
+    pub fn from_config(c: &PlanConfig) -> Self {
+        Self {
+            mode: c.mode.name().into(),
+            interleave: c.interleave.name().into(),
+            buckets: c.buckets.to_string(),
+            token_budget: c.token_budget,
+            max_len: c.max_len,
+            on_overlong: c.on_overlong.name().into(),
+            accum: c.accum,
+            seed: c.seed,
+        }
+    }
+
+    pub fn to_config(&self) -> Result<PlanConfig, String> {
+        let e = |e: crate::planner::PlanError| e.to_string();
+        let config = PlanConfig {
+            mode: self.mode.parse().map_err(e)?,
+            interleave: self.interleave.parse().map_err(e)?,
+            buckets: self.buckets.parse().map_err(e)?,
+            token_budget: self.token_budget,
+            max_len: self.max_len,
+            on_overlong: self.on_overlong.parse().map_err(e)?,
+            accum: self.accum,
+            seed: self.seed,
+        };
+        config.validate().map_err(e)?;
+        Ok(config)
+    }
+}
+
+/// Why a run could not start or did not finish.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// Bad options or input, found before anything started.
+    #[error("{0}")]
+    Invalid(String),
+    /// The run started and failed.
+    #[error("{0}")]
+    Failed(String),
+}
+
+/// How a run ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Completed,
+    /// `stop` request.
+    Stopped,
+    /// SIGINT or SIGTERM.
+    Interrupted,
+}
+
+/// Messages to the main loop.
+pub enum Input {
+    Worker {
+        worker: u32,
+        incarnation: u64,
+        event: WorkerInput,
+    },
+    Control(control::Pending),
+}
+
+pub enum WorkerInput {
+    Connected(IpcSender<Job>),
+    Event(Event),
+    Gone,
+}
+
+/// Where batch tokens come from.
+enum Tokens {
+    Store(Box<Store>),
+    /// Synthetic token ids, a pure function of (seed, sample, position).
+    Synthetic {
+        seed: u64,
+    },
+}
+
+const SYNTHETIC_VOCAB: u32 = 151_936;
+
+impl Tokens {
+    fn sample(&self, index: u32, len: u32, out: &mut Vec<u32>) {
+        match self {
+            Tokens::Store(store) => {
+                out.extend_from_slice(&store.tokens(index as usize)[..len as usize])
+            }
+            Tokens::Synthetic { seed } => out.extend((0..len).map(|p| {
+                let mut x = seed ^ (u64::from(index) << 32 | u64::from(p));
+                x = (x ^ (x >> 33)).wrapping_mul(0xff51_afd7_ed55_8ccd);
+                x = (x ^ (x >> 33)).wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+                ((x ^ (x >> 33)) % u64::from(SYNTHETIC_VOCAB)) as u32
+            })),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum InSlot {
+    Free,
+    /// Holds a batch not yet handed to a target.
+    Filled(usize),
+    Leased(usize),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum FeatSlot {
+    Free,
+    Forwarding(usize),
+    Ready(usize),
+    Training(usize),
+    Trained(usize),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Lease {
+    Forward {
+        batch: usize,
+        input: u32,
+        feature: u32,
+    },
+    Train {
+        batch: usize,
+        feature: u32,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum WorkerState {
+    Starting,
+    Ready,
+    Busy,
+    Restarting,
+    Failed,
+    Stopped,
+}
+
+impl WorkerState {
+    fn name(self) -> &'static str {
+        match self {
+            WorkerState::Starting => "starting",
+            WorkerState::Ready => "ready",
+            WorkerState::Busy => "busy",
+            WorkerState::Restarting => "restarting",
+            WorkerState::Failed => "failed",
+            WorkerState::Stopped => "stopped",
+        }
+    }
+}
+
+struct Worker {
+    id: u32,
+    role: Role,
+    device: Device,
+    cpus: Vec<usize>,
+    incarnation: u64,
+    process: Option<workers::Process>,
+    jobs: Option<IpcSender<Job>>,
+    state: WorkerState,
+    lease: Option<Lease>,
+    last_seen: Instant,
+    started: Instant,
+    batches_done: u64,
+    restarts: u64,
+    /// Times of unrequested exits, for the restart budget.
+    crashes: VecDeque<Instant>,
+    last_exit: Option<String>,
+    restart_at: Option<Instant>,
+    /// Stop after the current job, then start again (a `restart` without --force).
+    restart_when_idle: bool,
+    /// The next exit was asked for: restart at once, without counting it.
+    exit_requested: bool,
+}
+
+/// Resume point read from the journal.
+struct Start {
+    epoch: u32,
+    batch: usize,
+    step_base: u64,
+}
+
+struct Run {
+    config: RunConfig,
+    run_dir: PathBuf,
+    run_id: String,
+    journal: JournalWriter,
+    planner: Planner,
+    tokens: Tokens,
+    epoch: u32,
+    plan: EpochPlan,
+    step_base: u64,
+    next_feed: usize,
+    queue: VecDeque<usize>,
+    batch_input: Vec<u32>,
+    checksums: Vec<u32>,
+    to_train: BTreeSet<usize>,
+    next_commit: usize,
+    committed_total: u64,
+    tokens_committed: u64,
+    input: Ring,
+    input_slots: Vec<InSlot>,
+    input_generation: Vec<u64>,
+    features: Ring,
+    feature_slots: Vec<FeatSlot>,
+    feature_generation: Vec<u64>,
+    workers: Vec<Worker>,
+    launch: workers::Launch,
+    to_loop: mpsc::Sender<Input>,
+    started: Instant,
+    stopping: Option<Outcome>,
+    scratch: Vec<u32>,
+    nvml: Result<nvml_wrapper::Nvml, String>,
+}
+
+/// The run directory's lock, held while the orchestrator lives.
+pub struct RunLock {
+    _lock: nix::fcntl::Flock<std::fs::File>,
+}
+
+/// Takes the run directory's lock: one live orchestrator per run directory.
+pub fn lock_run_dir(dir: &Path) -> Result<RunLock, RunError> {
+    use std::io::{Read, Seek, Write};
+    let path = run_dir::lock(dir);
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .map_err(|e| RunError::Invalid(format!("{}: {e}", path.display())))?;
+    let mut holder = String::new();
+    let _ = file.read_to_string(&mut holder);
+    let mut lock = nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock)
+        .map_err(|_| {
+            RunError::Invalid(format!(
+                "run dir {} holds a live run (orchestrator pid {}); stop it first or use another --run-dir",
+                dir.display(),
+                holder.trim()
+            ))
+        })?;
+    let _ = lock.set_len(0);
+    let _ = lock.rewind();
+    let _ = write!(lock, "{}", std::process::id());
+    Ok(RunLock { _lock: lock })
+}
+
+/// Removes the run's segments from `/dev/shm`; returns the paths removed.
+pub fn remove_segments(run_id: &str) -> Vec<PathBuf> {
+    let prefix = run_dir::segment_prefix(run_id);
+    let mut removed = Vec::new();
+    if let Ok(entries) = std::fs::read_dir(run_dir::SHM_DIR) {
+        for entry in entries.flatten() {
+            if entry.file_name().to_string_lossy().starts_with(&prefix)
+                && std::fs::remove_file(entry.path()).is_ok()
+            {
+                removed.push(entry.path());
+            }
+        }
+    }
+    removed
+}
+
+/// Bytes free in `/dev/shm`.
+fn shm_free() -> Option<u64> {
+    let s = nix::sys::statvfs::statvfs(run_dir::SHM_DIR).ok()?;
+    Some(s.blocks_available() as u64 * s.fragment_size() as u64)
+}
+
+/// How many GPUs NVML reports, or why none.
+pub fn gpu_count(nvml: &Result<nvml_wrapper::Nvml, String>) -> Result<u32, String> {
+    match nvml {
+        Ok(n) => n.device_count().map_err(|e| format!("NVML: {e}")),
+        Err(why) => Err(why.clone()),
+    }
+}
+
+pub fn init_nvml() -> Result<nvml_wrapper::Nvml, String> {
+    nvml_wrapper::Nvml::init().map_err(|e| format!("NVML not available: {e}"))
+}
+
+/// Starts (or resumes) the run in `run_dir` and drives it to its end.
+pub fn launch(config: RunConfig, run_dir_path: &Path, resume: bool) -> Result<Outcome, RunError> {
+    std::fs::create_dir_all(run_dir_path)
+        .map_err(|e| RunError::Invalid(format!("{}: {e}", run_dir_path.display())))?;
+    let _lock = lock_run_dir(run_dir_path)?;
+    let journal_path = run_dir::journal(run_dir_path);
+    let (config, start) = if resume {
+        let history = journal::read(&journal_path).map_err(|e| RunError::Invalid(e.to_string()))?;
+        if history.ended.as_deref() == Some("completed") {
+            return Err(RunError::Invalid(format!(
+                "the run in {} already completed",
+                run_dir_path.display()
+            )));
+        }
+        let stored: RunConfig =
+            serde_json::from_value(history.config.clone().unwrap_or(Value::Null)).map_err(|e| {
+                RunError::Invalid(format!("{}: run line: {e}", journal_path.display()))
+            })?;
+        let mut epoch = history.committed.len().saturating_sub(1) as u32;
+        let mut batch = history.committed.last().copied().unwrap_or(0) as usize;
+        if let Some(&batches) = history.epoch_batches.last()
+            && batch as u64 == batches
+        {
+            epoch += 1;
+            batch = 0;
+        }
+        let step_base = history
+            .epoch_batches
+            .iter()
+            .take(epoch as usize)
+            .sum::<u64>();
+        (
+            stored,
+            Start {
+                epoch,
+                batch,
+                step_base,
+            },
+        )
+    } else {
+        if journal_path.exists() {
+            return Err(RunError::Invalid(format!(
+                "{} already holds a run (its journal exists): pass --resume to continue it, or use another --run-dir",
+                run_dir_path.display()
+            )));
+        }
+        (
+            config,
+            Start {
+                epoch: 0,
+                batch: 0,
+                step_base: 0,
+            },
+        )
+    };
+
+    // Everything below is checked before any process starts.
+    let plan_config = config.planner.to_config().map_err(RunError::Invalid)?;
+    let spec: spec::GpuSpec = config.gpus.parse().map_err(RunError::Invalid)?;
+    let nvml = init_nvml();
+    let devices = spec.devices(gpu_count(&nvml)).map_err(RunError::Invalid)?;
+    let given = config
+        .topology
+        .as_deref()
+        .map(str::parse::<Topology>)
+        .transpose()
+        .map_err(RunError::Invalid)?;
+    let topology = Topology::resolve(given, devices.len() as u32).map_err(RunError::Invalid)?;
+    if config.stage != "synthetic" {
+        return Err(RunError::Invalid(format!(
+            "unknown --stage {:?} (this build has: synthetic)",
+            config.stage
+        )));
+    }
+    if config.epochs == 0 {
+        return Err(RunError::Invalid("--epochs must be at least 1".into()));
+    }
+    let (lengths, tokens) = match (&config.data, config.synthetic) {
+        (Some(dir), _) => {
+            let store = Store::open(dir).map_err(|e| RunError::Invalid(e.to_string()))?;
+            (store.lengths(), Tokens::Store(Box::new(store)))
+        }
+        (None, Some(n)) if n > 0 => (
+            crate::workload::synthetic_lengths(n, config.synthetic_seed),
+            Tokens::Synthetic {
+                seed: config.synthetic_seed,
+            },
+        ),
+        _ => {
+            return Err(RunError::Invalid(
+                "pass --data STORE or --synthetic N".into(),
+            ));
+        }
+    };
+    let planner =
+        Planner::new(lengths, plan_config).map_err(|e| RunError::Invalid(e.to_string()))?;
+    let binary = workers::worker_binary();
+    if !binary.is_file() {
+        return Err(RunError::Invalid(format!(
+            "worker binary {} not found (build it, or set DFLASH_WORKER_BIN)",
+            binary.display()
+        )));
+    }
+
+    let run_id = run_dir::run_id(run_dir_path);
+    for stale in remove_segments(&run_id) {
+        tracing::info!(path = %stale.display(), "removed a stale segment of an earlier run");
+    }
+    let targets = topology.targets;
+    let input_slots = 2 * targets + 1;
+    let feature_slots = 2 * targets + 2;
+    let budget = config.planner.token_budget;
+    let input_bytes = 64 + input_data_bytes(budget);
+    let feature_bytes = 64 + 4 * budget;
+    let needed =
+        u64::from(input_slots) * input_bytes + u64::from(feature_slots) * feature_bytes + 128;
+    if let Some(free) = shm_free()
+        && free < needed
+    {
+        return Err(RunError::Invalid(format!(
+            "{} has {} MB free, the rings need {} MB (in a container, raise --shm-size)",
+            run_dir::SHM_DIR,
+            free / 1_000_000,
+            needed.div_ceil(1_000_000)
+        )));
+    }
+    let shm_error = |e: dflash_common::ring::RingError| {
+        RunError::Invalid(format!(
+            "cannot create the rings ({} MB in {}): {e}",
+            needed.div_ceil(1_000_000),
+            run_dir::SHM_DIR
+        ))
+    };
+    let input = Ring::create(
+        &run_dir::segment(&run_id, "input"),
+        input_slots,
+        input_bytes,
+    )
+    .map_err(shm_error)?;
+    let features = Ring::create(
+        &run_dir::segment(&run_id, "feature"),
+        feature_slots,
+        feature_bytes,
+    )
+    .map_err(|e| {
+        remove_segments(&run_id);
+        shm_error(e)
+    })?;
+
+    let mut journal = JournalWriter::open(&journal_path)
+        .map_err(|e| RunError::Invalid(format!("{}: {e}", journal_path.display())))?;
+    let jerr = |e: std::io::Error| RunError::Failed(format!("journal: {e}"));
+    if resume {
+        journal
+            .append(&Entry::Resume {
+                committed: start.step_base + start.batch as u64,
+            })
+            .map_err(jerr)?;
+    } else {
+        let value = serde_json::to_value(&config).expect("config serializes");
+        journal
+            .append(&Entry::Run {
+                version: journal::VERSION,
+                config: value,
+            })
+            .map_err(jerr)?;
+    }
+    let log_dir = workers::log_dir(run_dir_path);
+    std::fs::create_dir_all(&log_dir)
+        .map_err(|e| RunError::Invalid(format!("{}: {e}", log_dir.display())))?;
+
+    let (to_loop, inbox) = mpsc::channel();
+    let listener = control::bind(run_dir_path)
+        .map_err(|e| RunError::Invalid(format!("control socket: {e}")))?;
+    control::serve(listener, to_loop.clone());
+
+    let available = workers::available_cpus();
+    let count = devices.len();
+    let workers_list = devices
+        .into_iter()
+        .enumerate()
+        .map(|(i, device)| Worker {
+            id: i as u32,
+            role: if (i as u32) < targets {
+                Role::Target
+            } else {
+                Role::Drafter
+            },
+            device,
+            cpus: workers::cpus_for(i, count, &available),
+            incarnation: 0,
+            process: None,
+            jobs: None,
+            state: WorkerState::Restarting,
+            lease: None,
+            last_seen: Instant::now(),
+            started: Instant::now(),
+            batches_done: 0,
+            restarts: 0,
+            crashes: VecDeque::new(),
+            last_exit: None,
+            restart_at: Some(Instant::now()),
+            restart_when_idle: false,
+            exit_requested: false,
+        })
+        .collect();
+    let launch = workers::Launch {
+        binary,
+        input_ring: input.path().to_path_buf(),
+        feature_ring: features.path().to_path_buf(),
+        stage: config.stage.clone(),
+        synthetic_us_per_token: config.synthetic_us_per_token,
+        heartbeat_ms: config.heartbeat_ms,
+        log_dir,
+    };
+    let plan = planner.plan_epoch(u64::from(start.epoch));
+    let mut run = Run {
+        run_dir: run_dir_path.to_path_buf(),
+        run_id,
+        journal,
+        tokens,
+        epoch: start.epoch,
+        step_base: start.step_base,
+        next_feed: start.batch,
+        queue: VecDeque::new(),
+        batch_input: vec![u32::MAX; plan.batches.len()],
+        checksums: vec![0; plan.batches.len()],
+        to_train: BTreeSet::new(),
+        next_commit: start.batch,
+        committed_total: start.step_base + start.batch as u64,
+        tokens_committed: 0,
+        input_slots: vec![InSlot::Free; input_slots as usize],
+        input_generation: vec![0; input_slots as usize],
+        feature_slots: vec![FeatSlot::Free; feature_slots as usize],
+        feature_generation: vec![0; feature_slots as usize],
+        input,
+        features,
+        plan,
+        planner,
+        workers: workers_list,
+        launch,
+        to_loop,
+        started: Instant::now(),
+        stopping: None,
+        scratch: Vec::new(),
+        nvml,
+        config,
+    };
+    let result = run.drive(&inbox, start.epoch == run.epoch && start.batch == 0);
+    run.shutdown();
+    let _ = std::fs::remove_file(run_dir::control_socket(&run.run_dir));
+    remove_segments(&run.run_id);
+    result
+}
+
+/// SIGINT/SIGTERM: stop cleanly; a second one ends the process at once.
+fn watch_signals() -> Arc<AtomicBool> {
+    let flag = Arc::new(AtomicBool::new(false));
+    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        let _ = signal_hook::flag::register_conditional_shutdown(signal, 130, Arc::clone(&flag));
+        let _ = signal_hook::flag::register(signal, Arc::clone(&flag));
+    }
+    flag
+}
+
+const TICK: Duration = Duration::from_millis(20);
+const STARTUP_TIMEOUT: Duration = Duration::from_secs(30);
+const STOP_GRACE: Duration = Duration::from_secs(10);
+
+impl Run {
+    fn drive(
+        &mut self,
+        inbox: &mpsc::Receiver<Input>,
+        new_epoch: bool,
+    ) -> Result<Outcome, RunError> {
+        let interrupted = watch_signals();
+        if new_epoch {
+            self.journal_epoch()?;
+        }
+        let mut stop_deadline: Option<Instant> = None;
+        loop {
+            match inbox.recv_timeout(TICK) {
+                Ok(input) => self.handle(input)?,
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    return Err(RunError::Failed("internal channel closed".into()));
+                }
+            }
+            while let Ok(input) = inbox.try_recv() {
+                self.handle(input)?;
+            }
+            if interrupted.load(Ordering::Relaxed) && self.stopping.is_none() {
+                tracing::warn!("interrupted: stopping the workers");
+                self.stopping = Some(Outcome::Interrupted);
+            }
+            self.supervise()?;
+            if let Some(outcome) = self.stopping {
+                let deadline = *stop_deadline.get_or_insert_with(|| Instant::now() + STOP_GRACE);
+                self.wind_down(Instant::now() > deadline);
+                if self.workers.iter().all(|w| w.process.is_none()) {
+                    let status = match outcome {
+                        Outcome::Completed => "completed",
+                        Outcome::Stopped => "stopped",
+                        Outcome::Interrupted => "interrupted",
+                    };
+                    self.journal
+                        .append(&Entry::End {
+                            status: status.into(),
+                            reason: None,
+                        })
+                        .map_err(|e| RunError::Failed(format!("journal: {e}")))?;
+                    return Ok(outcome);
+                }
+                continue;
+            }
+            self.feed();
+            self.dispatch();
+        }
+    }
+
+    fn journal_epoch(&mut self) -> Result<(), RunError> {
+        let entry = Entry::Epoch {
+            epoch: self.epoch,
+            batches: self.plan.batches.len() as u64,
+        };
+        self.journal
+            .append(&entry)
+            .map_err(|e| RunError::Failed(format!("journal: {e}")))
+    }
+
+    fn handle(&mut self, input: Input) -> Result<(), RunError> {
+        match input {
+            Input::Control(pending) => {
+                let answer = self.control(pending.request);
+                let _ = pending.reply.send(answer);
+                Ok(())
+            }
+            Input::Worker {
+                worker,
+                incarnation,
+                event,
+            } => {
+                let Some(w) = self.workers.get_mut(worker as usize) else {
+                    return Ok(());
+                };
+                if w.incarnation != incarnation || w.process.is_none() {
+                    return Ok(()); // an earlier process of this worker
+                }
+                w.last_seen = Instant::now();
+                match event {
+                    WorkerInput::Connected(jobs) => {
+                        w.jobs = Some(jobs);
+                        if let Some(p) = w.process.as_mut() {
+                            p.connected = true;
+                        }
+                        Ok(())
+                    }
+                    WorkerInput::Gone => {
+                        // The process is reaped (and its leases reclaimed) by `supervise`.
+                        w.jobs = None;
+                        Ok(())
+                    }
+                    WorkerInput::Event(event) => self.worker_event(worker, event),
+                }
+            }
+        }
+    }
+
+    fn worker_event(&mut self, id: u32, event: Event) -> Result<(), RunError> {
+        let w = &mut self.workers[id as usize];
+        match event {
+            Event::Heartbeat => {}
+            Event::Ready => {
+                if w.state == WorkerState::Starting || w.state == WorkerState::Busy {
+                    w.state = WorkerState::Ready;
+                }
+                if w.restart_when_idle || self.stopping.is_some() {
+                    w.restart_when_idle = false;
+                    w.exit_requested = true;
+                    if let Some(jobs) = &w.jobs {
+                        let _ = jobs.send(Job::Stop);
+                    }
+                    w.state = WorkerState::Stopped;
+                }
+            }
+            Event::Forwarded { id: batch_id } => {
+                let Some(Lease::Forward {
+                    batch,
+                    input,
+                    feature,
+                }) = w.lease.take()
+                else {
+                    return Err(RunError::Failed(format!(
+                        "worker {id} reported a forward it was not given ({batch_id:?})"
+                    )));
+                };
+                w.batches_done += 1;
+                self.input_slots[input as usize] = InSlot::Free;
+                self.feature_slots[feature as usize] = FeatSlot::Ready(batch);
+                self.to_train.insert(batch);
+            }
+            Event::Trained {
+                id: batch_id,
+                checksum,
+            } => {
+                let Some(Lease::Train { batch, feature }) = w.lease.take() else {
+                    return Err(RunError::Failed(format!(
+                        "worker {id} reported training it was not given ({batch_id:?})"
+                    )));
+                };
+                w.batches_done += 1;
+                if checksum != self.checksums[batch] {
+                    return Err(RunError::Failed(format!(
+                        "corrupt batch {batch} of epoch {}: drafter saw checksum {checksum:08x}, the orchestrator wrote {:08x}",
+                        self.epoch, self.checksums[batch]
+                    )));
+                }
+                self.feature_slots[feature as usize] = FeatSlot::Trained(batch);
+                self.commit_ready()?;
+            }
+            Event::Failed { id: batch, reason } => {
+                return Err(RunError::Failed(format!(
+                    "worker {id} failed{}: {reason}",
+                    batch
+                        .map(|b| format!(" on batch {} of epoch {}", b.batch, b.epoch))
+                        .unwrap_or_default()
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Commits trained batches in plan order; moves to the next epoch at the end of one.
+    fn commit_ready(&mut self) -> Result<(), RunError> {
+        loop {
+            let b = self.next_commit;
+            let Some(slot) = self
+                .feature_slots
+                .iter()
+                .position(|s| *s == FeatSlot::Trained(b))
+            else {
+                return Ok(());
+            };
+            let batch = &self.plan.batches[b];
+            self.journal
+                .append(&Entry::Commit {
+                    epoch: self.epoch,
+                    step: self.step_base + b as u64,
+                    batch: b as u64,
+                    samples: batch.count,
+                    checksum: self.checksums[b],
+                })
+                .map_err(|e| RunError::Failed(format!("journal: {e}")))?;
+            self.tokens_committed += batch.real_tokens;
+            self.feature_slots[slot] = FeatSlot::Free;
+            self.next_commit += 1;
+            self.committed_total += 1;
+            if self.next_commit == self.plan.batches.len() {
+                self.epoch += 1;
+                if self.epoch == self.config.epochs {
+                    self.stopping = Some(Outcome::Completed);
+                    return Ok(());
+                }
+                self.step_base += self.plan.batches.len() as u64;
+                self.plan = self.planner.plan_epoch(u64::from(self.epoch));
+                let n = self.plan.batches.len();
+                self.batch_input = vec![u32::MAX; n];
+                self.checksums = vec![0; n];
+                self.next_feed = 0;
+                self.next_commit = 0;
+                self.queue.clear();
+                self.to_train.clear();
+                self.journal_epoch()?;
+            }
+        }
+    }
+
+    /// Fills free input slots with the next batches of the plan.
+    fn feed(&mut self) {
+        while self.next_feed < self.plan.batches.len() {
+            let Some(slot) = self.input_slots.iter().position(|s| *s == InSlot::Free) else {
+                return;
+            };
+            let b = self.next_feed;
+            self.write_batch(b, slot as u32);
+            self.input_slots[slot] = InSlot::Filled(b);
+            self.batch_input[b] = slot as u32;
+            self.queue.push_back(b);
+            self.next_feed += 1;
+        }
+    }
+
+    fn write_batch(&mut self, b: usize, slot: u32) {
+        let batch = self.plan.batches[b];
+        let members = self.plan.batch_samples(&batch).to_vec();
+        let budget = self.config.planner.token_budget as usize;
+        let tokens_offset = 4 * (budget + 1);
+        let packed = self.plan.layout == PlanLayout::Packed;
+        let mut tokens = std::mem::take(&mut self.scratch);
+        tokens.clear();
+        let mut lengths = Vec::with_capacity(members.len());
+        for &s in &members {
+            let len = self.planner.lengths()[s as usize];
+            self.tokens.sample(s, len, &mut tokens);
+            lengths.push(len);
+        }
+        let checksum = token_checksum(tokens.iter().copied());
+        let data = self.input.data_mut(slot);
+        let mut put = |at: usize, v: u32| data[at..at + 4].copy_from_slice(&v.to_le_bytes());
+        if packed {
+            let mut cu = 0u32;
+            put(0, 0);
+            for (i, &len) in lengths.iter().enumerate() {
+                cu += len;
+                put(4 * (i + 1), cu);
+            }
+            for (i, &t) in tokens.iter().enumerate() {
+                put(tokens_offset + 4 * i, t);
+            }
+        } else {
+            let max = batch.max_len as usize;
+            let mut from = 0;
+            for (row, &len) in lengths.iter().enumerate() {
+                put(4 * row, len);
+                for p in 0..max {
+                    let t = if p < len as usize {
+                        tokens[from + p]
+                    } else {
+                        0
+                    };
+                    put(tokens_offset + 4 * (row * max + p), t);
+                }
+                from += len as usize;
+            }
+        }
+        self.input_generation[slot as usize] += 1;
+        let meta = SlotMeta {
+            layout: if packed {
+                Layout::Packed
+            } else {
+                Layout::Padded
+            } as u32,
+            count: batch.count,
+            max_len: batch.max_len,
+            tokens: tokens.len() as u32,
+            tokens_offset: tokens_offset as u32,
+            checksum,
+        };
+        self.input
+            .publish(slot, self.input_generation[slot as usize], meta);
+        self.checksums[b] = checksum;
+        self.scratch = tokens;
+    }
+
+    fn batch_id(&self, batch: usize) -> BatchId {
+        BatchId {
+            epoch: self.epoch,
+            batch: batch as u32,
+            step: self.step_base + batch as u64,
+        }
+    }
+
+    /// Hands work to idle workers: targets get queued batches in plan order, drafters get
+    /// features in plan order.
+    fn dispatch(&mut self) {
+        for i in 0..self.workers.len() {
+            let w = &self.workers[i];
+            if w.state != WorkerState::Ready || w.jobs.is_none() || w.restart_when_idle {
+                continue;
+            }
+            let job = match w.role {
+                Role::Target => {
+                    let Some(&batch) = self.queue.front() else {
+                        continue;
+                    };
+                    let Some(feature) =
+                        self.feature_slots.iter().position(|s| *s == FeatSlot::Free)
+                    else {
+                        continue;
+                    };
+                    self.queue.pop_front();
+                    let input = self.batch_input[batch];
+                    self.input_slots[input as usize] = InSlot::Leased(batch);
+                    self.feature_slots[feature] = FeatSlot::Forwarding(batch);
+                    self.feature_generation[feature] += 1;
+                    let generation = self.feature_generation[feature];
+                    self.features
+                        .publish(feature as u32, generation, SlotMeta::default());
+                    self.workers[i].lease = Some(Lease::Forward {
+                        batch,
+                        input,
+                        feature: feature as u32,
+                    });
+                    Job::Forward {
+                        id: self.batch_id(batch),
+                        input: SlotRef {
+                            slot: input,
+                            generation: self.input_generation[input as usize],
+                        },
+                        feature: SlotRef {
+                            slot: feature as u32,
+                            generation,
+                        },
+                    }
+                }
+                Role::Drafter => {
+                    let Some(&batch) = self.to_train.iter().next() else {
+                        continue;
+                    };
+                    let feature = self
+                        .feature_slots
+                        .iter()
+                        .position(|s| *s == FeatSlot::Ready(batch))
+                        .expect("a batch to train has its features ready");
+                    self.to_train.remove(&batch);
+                    self.feature_slots[feature] = FeatSlot::Training(batch);
+                    self.workers[i].lease = Some(Lease::Train {
+                        batch,
+                        feature: feature as u32,
+                    });
+                    Job::Train {
+                        id: self.batch_id(batch),
+                        feature: SlotRef {
+                            slot: feature as u32,
+                            generation: self.feature_generation[feature],
+                        },
+                        checksum: self.checksums[batch],
+                    }
+                }
+            };
+            let w = &mut self.workers[i];
+            w.state = WorkerState::Busy;
+            if let Some(jobs) = &w.jobs
+                && jobs.send(job).is_err()
+            {
+                // Lost: `supervise` reaps it and reclaims the lease.
+                w.jobs = None;
+            }
+        }
+    }
+
+    /// Puts a worker's leased work back for others.
+    fn reclaim(&mut self, i: usize) {
+        match self.workers[i].lease.take() {
+            Some(Lease::Forward {
+                batch,
+                input,
+                feature,
+            }) => {
+                self.input_slots[input as usize] = InSlot::Filled(batch);
+                self.feature_slots[feature as usize] = FeatSlot::Free;
+                // Back to the front: plan order is kept.
+                let at = self.queue.partition_point(|&q| q < batch);
+                self.queue.insert(at, batch);
+            }
+            Some(Lease::Train { batch, feature }) => {
+                self.feature_slots[feature as usize] = FeatSlot::Ready(batch);
+                self.to_train.insert(batch);
+            }
+            None => {}
+        }
+    }
+
+    /// Reaps exited workers, kills hung ones, restarts with backoff, enforces the budget.
+    fn supervise(&mut self) -> Result<(), RunError> {
+        let now = Instant::now();
+        let timeout = Duration::from_secs_f64(self.config.heartbeat_timeout_s);
+        for i in 0..self.workers.len() {
+            // Hung: no word within the deadline.
+            let w = &mut self.workers[i];
+            if let Some(p) = &w.process {
+                let limit = if p.connected {
+                    timeout
+                } else {
+                    STARTUP_TIMEOUT.max(timeout)
+                };
+                if now.duration_since(w.last_seen) > limit {
+                    tracing::warn!(
+                        worker = w.id,
+                        "no heartbeat for {:.1} s: killing it",
+                        limit.as_secs_f64()
+                    );
+                    w.last_exit = Some(format!(
+                        "missed heartbeats for {:.1} s (hung)",
+                        limit.as_secs_f64()
+                    ));
+                    p.kill();
+                    w.last_seen = now;
+                }
+            }
+            // Exited.
+            let exited = match w.process.as_mut().map(|p| p.child.try_wait()) {
+                Some(Ok(Some(status))) => Some(status),
+                _ => None,
+            };
+            if let Some(status) = exited {
+                let process = self.workers[i].process.take().expect("checked above");
+                process.abandon();
+                let reason = workers::exit_reason(status);
+                let w = &mut self.workers[i];
+                let reason = match w.last_exit.take() {
+                    Some(hung) if hung.starts_with("missed") => format!("{hung}; {reason}"),
+                    _ => reason,
+                };
+                w.jobs = None;
+                w.last_exit = Some(reason.clone());
+                let _ = self.journal.append(&Entry::WorkerExit {
+                    worker: w.id,
+                    pid: process.pid,
+                    reason: reason.clone(),
+                });
+                self.reclaim(i);
+                let w = &mut self.workers[i];
+                if self.stopping.is_some() {
+                    w.state = WorkerState::Stopped;
+                    continue;
+                }
+                if std::mem::take(&mut w.exit_requested) {
+                    w.restart_at = Some(now);
+                } else {
+                    w.crashes.push_back(now);
+                    let window = Duration::from_secs_f64(self.config.restart_window_s);
+                    while w
+                        .crashes
+                        .front()
+                        .is_some_and(|&t| now.duration_since(t) > window)
+                    {
+                        w.crashes.pop_front();
+                    }
+                    if w.crashes.len() as u32 > self.config.max_restarts {
+                        w.state = WorkerState::Failed;
+                        return Err(RunError::Failed(format!(
+                            "worker {} ({}, {}) exceeded --max-restarts {} within {:.0} s; last exit: {reason}",
+                            w.id,
+                            w.role.name(),
+                            w.device,
+                            self.config.max_restarts,
+                            self.config.restart_window_s
+                        )));
+                    }
+                    let backoff = Duration::from_millis(100u64 << (w.crashes.len() - 1).min(6));
+                    tracing::warn!(worker = w.id, %reason, "worker exited; restarting in {} ms", backoff.as_millis());
+                    w.restart_at = Some(now + backoff);
+                }
+                w.state = WorkerState::Restarting;
+            }
+            // Due to (re)start.
+            let w = &mut self.workers[i];
+            if self.stopping.is_none()
+                && w.process.is_none()
+                && w.restart_at.is_some_and(|t| now >= t)
+            {
+                w.restart_at = None;
+                w.incarnation += 1;
+                if w.incarnation > 1 {
+                    w.restarts += 1;
+                }
+                let process = workers::spawn(
+                    w.id,
+                    w.incarnation,
+                    w.role,
+                    w.device,
+                    &w.cpus,
+                    &self.launch,
+                    &self.to_loop,
+                )
+                .map_err(|e| RunError::Failed(format!("cannot start worker {}: {e}", w.id)))?;
+                let _ = self.journal.append(&Entry::WorkerStart {
+                    worker: w.id,
+                    role: w.role.name().into(),
+                    pid: process.pid,
+                });
+                w.process = Some(process);
+                w.state = WorkerState::Starting;
+                w.last_seen = now;
+                w.started = now;
+            }
+        }
+        Ok(())
+    }
+
+    /// While stopping: idle workers are told to stop; past the grace period, everyone is killed.
+    fn wind_down(&mut self, force: bool) {
+        for w in &mut self.workers {
+            let Some(p) = &w.process else { continue };
+            if force {
+                p.kill();
+            } else if w.state == WorkerState::Ready
+                || w.state == WorkerState::Starting && w.jobs.is_some()
+            {
+                w.exit_requested = true;
+                if let Some(jobs) = &w.jobs {
+                    let _ = jobs.send(Job::Stop);
+                }
+                w.state = WorkerState::Stopped;
+            } else if w.jobs.is_none() && p.connected {
+                p.kill();
+            }
+        }
+    }
+
+    /// Kills whatever is left (on any way out of `drive`).
+    fn shutdown(&mut self) {
+        for w in &mut self.workers {
+            if let Some(mut p) = w.process.take() {
+                p.kill();
+                let _ = p.child.wait();
+                p.abandon();
+            }
+        }
+    }
+
+    fn control(&mut self, request: control::Request) -> Value {
+        match request {
+            control::Request::Status => self.status(),
+            control::Request::Stop => {
+                if self.stopping.is_none() {
+                    self.stopping = Some(Outcome::Stopped);
+                }
+                json!({"ok": true, "stopping": true})
+            }
+            control::Request::Restart { worker, gpu, force } => {
+                let found = self.workers.iter().position(|w| match (worker, gpu) {
+                    (Some(id), _) => w.id == id,
+                    (None, Some(g)) => w.device == Device::Gpu(g) || w.device == Device::Cpu(g),
+                    (None, None) => false,
+                });
+                let Some(i) = found else {
+                    return json!({"error": "no such worker (see `dflash-orch status`)"});
+                };
+                let w = &mut self.workers[i];
+                if w.process.is_none() {
+                    return json!({"error": format!("worker {} is not running ({})", w.id, w.state.name())});
+                }
+                if force || w.state == WorkerState::Starting {
+                    w.exit_requested = true;
+                    w.last_exit = Some("restart requested".into());
+                    if let Some(p) = &w.process {
+                        p.kill();
+                    }
+                } else if w.state == WorkerState::Ready {
+                    w.exit_requested = true;
+                    if let Some(jobs) = &w.jobs {
+                        let _ = jobs.send(Job::Stop);
+                    }
+                } else {
+                    w.restart_when_idle = true;
+                }
+                json!({"ok": true, "worker": w.id, "force": force})
+            }
+        }
+    }
+
+    fn status(&self) -> Value {
+        let now = Instant::now();
+        let uptime = now.duration_since(self.started).as_secs_f64();
+        let workers: Vec<Value> = self
+            .workers
+            .iter()
+            .map(|w| {
+                let mut v = json!({
+                    "id": w.id,
+                    "role": w.role.name(),
+                    "device": w.device.to_string(),
+                    "gpu": match w.device { Device::Gpu(g) => json!(g), Device::Cpu(_) => Value::Null },
+                    "pid": w.process.as_ref().map(|p| p.pid),
+                    "state": w.state.name(),
+                    "cpus": w.cpus,
+                    "batches_done": w.batches_done,
+                    "restarts": w.restarts,
+                    "last_exit": w.last_exit,
+                    "heartbeat_age_s": w.process.as_ref().map(|_| now.duration_since(w.last_seen).as_secs_f64()),
+                });
+                let gpu = self.gpu_telemetry(w.device);
+                if let (Value::Object(m), Value::Object(g)) = (&mut v, gpu) {
+                    m.extend(g);
+                }
+                v
+            })
+            .collect();
+        json!({
+            "run": {
+                "run_dir": self.run_dir.display().to_string(),
+                "run_id": self.run_id,
+                "pid": std::process::id(),
+                "state": match self.stopping { None => "running", Some(_) => "stopping" },
+                "epoch": self.epoch,
+                "epochs": self.config.epochs,
+                "batch": self.next_commit,
+                "batches": self.plan.batches.len(),
+                "committed_steps": self.committed_total,
+                "uptime_s": uptime,
+                "tokens_per_s": self.tokens_committed as f64 / uptime.max(1e-9),
+                "stage": self.config.stage,
+            },
+            "workers": workers,
+        })
+    }
+
+    fn gpu_telemetry(&self, device: Device) -> Value {
+        let null = |reason: String| {
+            json!({
+                "gpu_power_w": null, "gpu_utilization_pct": null, "gpu_memory_used_mb": null,
+                "gpu_memory_total_mb": null, "gpu_temperature_c": null, "gpu_unavailable": reason,
+            })
+        };
+        let Device::Gpu(index) = device else {
+            return null("CPU worker".into());
+        };
+        let nvml = match &self.nvml {
+            Ok(n) => n,
+            Err(why) => return null(why.clone()),
+        };
+        let dev = match nvml.device_by_index(index) {
+            Ok(d) => d,
+            Err(e) => return null(format!("NVML: {e}")),
+        };
+        json!({
+            "gpu_power_w": dev.power_usage().ok().map(|mw| f64::from(mw) / 1000.0),
+            "gpu_utilization_pct": dev.utilization_rates().ok().map(|u| u.gpu),
+            "gpu_memory_used_mb": dev.memory_info().ok().map(|m| m.used / 1_000_000),
+            "gpu_memory_total_mb": dev.memory_info().ok().map(|m| m.total / 1_000_000),
+            "gpu_temperature_c": dev.temperature(nvml_wrapper::enum_wrappers::device::TemperatureSensor::Gpu).ok(),
+            "gpu_unavailable": null,
+        })
+    }
+}

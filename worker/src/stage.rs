@@ -1,0 +1,145 @@
+//! Stages: what a worker computes. The synthetic stage stands in for the models in tests and
+//! benchmarks: it touches every token, moves data through both rings, and proves end to end that
+//! nothing was lost, mixed up or corrupted.
+
+use std::time::{Duration, Instant};
+
+use dflash_common::ring::{Layout, Ring, SlotMeta, token_checksum};
+use dflash_common::wire::SlotRef;
+
+/// The synthetic stage. A target maps each token to `token ^ mix(position)` in its feature slot;
+/// the drafter maps the features back and checks the tokens' checksum against the orchestrator's.
+pub struct Synthetic {
+    us_per_token: f64,
+}
+
+/// Position mixing of the synthetic features (invertible by XOR).
+fn mix(position: u32) -> u32 {
+    position.wrapping_mul(0x9E37_79B1).rotate_left(7)
+}
+
+impl Synthetic {
+    pub fn new(us_per_token: f64) -> Self {
+        Self { us_per_token }
+    }
+
+    /// Reads the batch in `input`, writes its features into `feature`.
+    pub fn forward(
+        &mut self,
+        input: &Ring,
+        at: SlotRef,
+        features: &mut Ring,
+        out: SlotRef,
+    ) -> Result<(), String> {
+        let started = Instant::now();
+        let meta = input
+            .check(at.slot, at.generation)
+            .map_err(|e| e.to_string())?;
+        if features.generation(out.slot) != out.generation {
+            return Err(format!(
+                "feature slot {} was reassigned (generation {}, expected {})",
+                out.slot,
+                features.generation(out.slot),
+                out.generation
+            ));
+        }
+        let tokens = real_tokens(input.data(at.slot), &meta)?;
+        let data = features.data_mut(out.slot);
+        if tokens.len() * 4 > data.len() {
+            return Err(format!(
+                "{} features do not fit the feature slot ({} bytes)",
+                tokens.len(),
+                data.len()
+            ));
+        }
+        for (p, (t, chunk)) in tokens.iter().zip(data.chunks_exact_mut(4)).enumerate() {
+            chunk.copy_from_slice(&(t ^ mix(p as u32)).to_le_bytes());
+        }
+        let spend = Duration::from_secs_f64(self.us_per_token * tokens.len() as f64 / 1e6);
+        if let Some(rest) = spend.checked_sub(started.elapsed()) {
+            std::thread::sleep(rest);
+        }
+        features.mark_written(
+            out.slot,
+            out.generation,
+            SlotMeta {
+                tokens: tokens.len() as u32,
+                ..meta
+            },
+        );
+        Ok(())
+    }
+
+    /// Checks the features in `feature` against the orchestrator's checksum; returns the checksum
+    /// found.
+    pub fn train(&mut self, features: &Ring, at: SlotRef, checksum: u32) -> Result<u32, String> {
+        let meta = features
+            .check(at.slot, at.generation)
+            .map_err(|e| e.to_string())?;
+        let written = features.written(at.slot);
+        if written != at.generation {
+            return Err(format!(
+                "feature slot {} holds generation {written}, expected {}",
+                at.slot, at.generation
+            ));
+        }
+        let data = features.data(at.slot);
+        let n = meta.tokens as usize;
+        if n * 4 > data.len() {
+            return Err(format!("feature slot {} claims {n} tokens", at.slot));
+        }
+        let found = token_checksum(
+            data[..n * 4]
+                .chunks_exact(4)
+                .enumerate()
+                .map(|(p, c)| u32::from_le_bytes(c.try_into().expect("4 bytes")) ^ mix(p as u32)),
+        );
+        if found != checksum {
+            return Err(format!(
+                "corrupt batch: features give checksum {found:08x}, the orchestrator wrote {checksum:08x}"
+            ));
+        }
+        Ok(found)
+    }
+}
+
+/// The real tokens of a batch in sample order.
+pub fn real_tokens(data: &[u8], meta: &SlotMeta) -> Result<Vec<u32>, String> {
+    let words = |from: usize, n: usize| -> Result<Vec<u32>, String> {
+        let bytes = data
+            .get(from..from + 4 * n)
+            .ok_or_else(|| format!("batch shape {meta:?} exceeds the slot"))?;
+        Ok(bytes
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
+            .collect())
+    };
+    let count = meta.count as usize;
+    let base = meta.tokens_offset as usize;
+    let mut tokens = Vec::with_capacity(meta.tokens as usize);
+    if meta.layout == Layout::Padded as u32 {
+        let lengths = words(0, count)?;
+        let max = meta.max_len as usize;
+        for (row, &len) in lengths.iter().enumerate() {
+            if len as usize > max {
+                return Err(format!("row {row} length {len} exceeds max_len {max}"));
+            }
+            tokens.extend(words(base + 4 * row * max, len as usize)?);
+        }
+    } else {
+        let cu = words(0, count + 1)?;
+        let total = *cu.last().unwrap_or(&0) as usize;
+        if cu.windows(2).any(|w| w[1] < w[0]) {
+            return Err("cu_seqlens is not increasing".into());
+        }
+        tokens.extend(words(base, total)?);
+    }
+    if tokens.len() != meta.tokens as usize {
+        return Err(format!(
+            "batch holds {} tokens, its header says {}",
+            tokens.len(),
+            meta.tokens
+        ));
+    }
+    Ok(tokens)
+}
