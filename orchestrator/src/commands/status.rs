@@ -59,9 +59,7 @@ fn text(v: &Value) -> String {
         r["tokens_per_s"].as_f64().unwrap_or(0.0),
         r["uptime_s"].as_f64().unwrap_or(0.0)
     );
-    let _ = writeln!(
-        o,
-        "{:>3} {:<8} {:<7} {:>8} {:<10} {:<8} {:>8} {:>8} {:>9}  {}",
+    let header = [
         "id",
         "role",
         "device",
@@ -71,7 +69,19 @@ fn text(v: &Value) -> String {
         "batches",
         "restarts",
         "heartbeat",
-        "gpu / last exit"
+    ];
+    let _ = writeln!(
+        o,
+        "{:>3} {:<8} {:<7} {:>8} {:<10} {:<8} {:>8} {:>8} {:>9}  gpu / last exit",
+        header[0],
+        header[1],
+        header[2],
+        header[3],
+        header[4],
+        header[5],
+        header[6],
+        header[7],
+        header[8]
     );
     for w in v["workers"].as_array().into_iter().flatten() {
         let cpus: Vec<String> = w["cpus"]
