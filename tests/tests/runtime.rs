@@ -1,0 +1,516 @@
+//! The runtime end to end: real orchestrator and worker processes on `cpu:3`, real signals.
+//! Every faulty run must commit exactly what an undisturbed run of the same plan commits: one
+//! commit per planned batch of every epoch, in plan order, with the same checksums.
+
+use std::fs;
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use dflash_e2e::{assert_refused, bin, orch, stdout_ok};
+use serde_json::Value;
+
+const SAMPLES: &str = "1000";
+
+fn launch_command(run_dir: &Path, us_per_token: &str, extra: &[&str]) -> Command {
+    let mut c = Command::new(bin("dflash-orch"));
+    c.args(["launch", "--gpus", "cpu:3", "--run-dir"])
+        .arg(run_dir)
+        .args([
+            "--synthetic",
+            SAMPLES,
+            "--token-budget",
+            "16384",
+            "--max-len",
+            "4096",
+        ])
+        .args([
+            "--buckets",
+            "auto:4",
+            "--epochs",
+            "2",
+            "--max-restarts",
+            "10",
+        ])
+        .args([
+            "--heartbeat-timeout",
+            "1.5",
+            "--synthetic-us-per-token",
+            us_per_token,
+        ])
+        .args(extra)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    c
+}
+
+/// A slow run in the background (so faults land mid-run).
+fn start(run_dir: &Path) -> Child {
+    launch_command(run_dir, "1.5", &[]).spawn().unwrap()
+}
+
+/// `(epoch, batch, step, samples, checksum)` of every commit.
+fn commits(run_dir: &Path) -> Vec<(u64, u64, u64, u64, u64)> {
+    let text = fs::read_to_string(run_dir.join("journal.jsonl")).unwrap_or_default();
+    text.lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v["event"] == "commit")
+        .map(|v| {
+            let n = |k: &str| v[k].as_u64().unwrap();
+            (
+                n("epoch"),
+                n("batch"),
+                n("step"),
+                n("samples"),
+                n("checksum"),
+            )
+        })
+        .collect()
+}
+
+fn journal_events(run_dir: &Path, event: &str) -> Vec<Value> {
+    fs::read_to_string(run_dir.join("journal.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v["event"] == event)
+        .collect()
+}
+
+/// What an undisturbed, fast run of the same plan commits; also checks it against the plan.
+fn reference() -> Vec<(u64, u64, u64, u64, u64)> {
+    let dir = tempfile::tempdir().unwrap();
+    let out = launch_command(dir.path(), "0", &[]).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let c = commits(dir.path());
+    let mut step = 0;
+    for epoch in 0..2u64 {
+        let plan: Value = serde_json::from_str(&stdout_ok(&orch(&[
+            "plan",
+            "--synthetic",
+            SAMPLES,
+            "--token-budget",
+            "16384",
+            "--max-len",
+            "4096",
+            "--buckets",
+            "auto:4",
+            "--epoch",
+            &epoch.to_string(),
+            "--json",
+        ])))
+        .unwrap();
+        let batches = plan["batches"].as_u64().unwrap();
+        let mine: Vec<_> = c.iter().filter(|x| x.0 == epoch).collect();
+        assert_eq!(mine.len() as u64, batches, "one commit per planned batch");
+        for (i, x) in mine.iter().enumerate() {
+            assert_eq!((x.1, x.2), (i as u64, step), "plan order");
+            step += 1;
+        }
+    }
+    c
+}
+
+fn wait_until(what: &str, deadline: Duration, mut ready: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !ready() {
+        assert!(start.elapsed() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn status(run_dir: &Path) -> Value {
+    let out = orch(&["status", "--run-dir", run_dir.to_str().unwrap(), "--json"]);
+    serde_json::from_str(&stdout_ok(&out)).unwrap()
+}
+
+fn worker_pid(run_dir: &Path, role: &str) -> (u64, i32) {
+    let s = status(run_dir);
+    let w = s["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|w| w["role"] == role && w["pid"].is_u64())
+        .unwrap_or_else(|| panic!("no live {role} in {s}"));
+    (w["id"].as_u64().unwrap(), w["pid"].as_u64().unwrap() as i32)
+}
+
+fn signal(pid: i32, sig: &str) {
+    assert!(
+        Command::new("kill")
+            .args([&format!("-{sig}"), &pid.to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+}
+
+fn alive(pid: u64) -> bool {
+    match fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => !stat
+            .rsplit(')')
+            .next()
+            .unwrap_or("")
+            .trim_start()
+            .starts_with('Z'),
+        Err(_) => false,
+    }
+}
+
+/// No worker of the run left, no segment of the run in /dev/shm.
+fn assert_clean(run_dir: &Path) {
+    for w in journal_events(run_dir, "worker_start") {
+        let pid = w["pid"].as_u64().unwrap();
+        wait_until("workers to exit", Duration::from_secs(10), || !alive(pid));
+    }
+    let run_id = dflash_common_run_id(run_dir);
+    let left: Vec<_> = fs::read_dir("/dev/shm")
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().contains(&run_id))
+        .collect();
+    assert!(left.is_empty(), "segments left: {left:?}");
+}
+
+fn dflash_common_run_id(run_dir: &Path) -> String {
+    // Same derivation as the orchestrator (FNV-1a of the canonical path).
+    let canonical = run_dir.canonicalize().unwrap();
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in canonical.as_os_str().as_encoded_bytes() {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    format!("{h:016x}")
+}
+
+fn finish(child: Child) -> Output {
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "launch failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+fn kill_mid_run(role: &str) {
+    let want = reference();
+    let dir = tempfile::tempdir().unwrap();
+    let child = start(dir.path());
+    wait_until("20 commits", Duration::from_secs(60), || {
+        commits(dir.path()).len() >= 20
+    });
+    let (id, pid) = worker_pid(dir.path(), role);
+    signal(pid, "KILL");
+    finish(child);
+    assert_eq!(commits(dir.path()), want);
+    let exits = journal_events(dir.path(), "worker_exit");
+    assert!(
+        exits
+            .iter()
+            .any(|e| e["worker"] == id && e["reason"].as_str().unwrap().contains("SIGKILL")),
+        "{exits:?}"
+    );
+    assert!(
+        journal_events(dir.path(), "worker_start")
+            .iter()
+            .filter(|e| e["worker"] == id)
+            .count()
+            >= 2
+    );
+    assert_clean(dir.path());
+}
+
+#[test]
+fn sigkill_a_target_mid_run() {
+    kill_mid_run("target");
+}
+
+#[test]
+fn sigkill_the_drafter_mid_run() {
+    kill_mid_run("drafter");
+}
+
+#[test]
+fn sigstop_past_the_heartbeat_timeout() {
+    let want = reference();
+    let dir = tempfile::tempdir().unwrap();
+    let child = start(dir.path());
+    wait_until("20 commits", Duration::from_secs(60), || {
+        commits(dir.path()).len() >= 20
+    });
+    let (id, pid) = worker_pid(dir.path(), "target");
+    signal(pid, "STOP");
+    finish(child);
+    assert_eq!(commits(dir.path()), want);
+    let exits = journal_events(dir.path(), "worker_exit");
+    assert!(
+        exits
+            .iter()
+            .any(|e| e["worker"] == id
+                && e["reason"].as_str().unwrap().contains("missed heartbeats")),
+        "{exits:?}"
+    );
+    assert_clean(dir.path());
+}
+
+#[test]
+fn sigkill_the_orchestrator_then_resume() {
+    let want = reference();
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = start(dir.path());
+    wait_until("30 commits", Duration::from_secs(60), || {
+        commits(dir.path()).len() >= 30
+    });
+    child.kill().unwrap();
+    child.wait().unwrap();
+    // Workers die with their orchestrator.
+    for w in journal_events(dir.path(), "worker_start") {
+        let pid = w["pid"].as_u64().unwrap();
+        wait_until(
+            "workers to die with the orchestrator",
+            Duration::from_secs(10),
+            || !alive(pid),
+        );
+    }
+    let before = commits(dir.path()).len();
+    assert!(before < want.len());
+    let resumed = launch_command(dir.path(), "0", &["--resume"])
+        .output()
+        .unwrap();
+    assert!(
+        resumed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&resumed.stderr)
+    );
+    assert_eq!(commits(dir.path()), want);
+    assert_clean(dir.path());
+}
+
+#[test]
+fn restart_a_healthy_worker_on_demand() {
+    let want = reference();
+    let dir = tempfile::tempdir().unwrap();
+    let child = start(dir.path());
+    wait_until("10 commits", Duration::from_secs(60), || {
+        commits(dir.path()).len() >= 10
+    });
+    let out = orch(&[
+        "restart",
+        "--run-dir",
+        dir.path().to_str().unwrap(),
+        "--gpu",
+        "1",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    wait_until("worker 1 to restart", Duration::from_secs(30), || {
+        journal_events(dir.path(), "worker_start")
+            .iter()
+            .filter(|e| e["worker"] == 1)
+            .count()
+            >= 2
+    });
+    finish(child);
+    assert_eq!(commits(dir.path()), want);
+    assert_clean(dir.path());
+}
+
+#[test]
+fn status_reports_every_worker_and_refuses_strangers() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = start(dir.path());
+    wait_until("5 commits", Duration::from_secs(60), || {
+        commits(dir.path()).len() >= 5
+    });
+    let s = status(dir.path());
+    for key in [
+        "run_dir",
+        "state",
+        "epoch",
+        "epochs",
+        "batch",
+        "batches",
+        "committed_steps",
+        "tokens_per_s",
+    ] {
+        assert!(s["run"].get(key).is_some(), "run.{key} missing: {s}");
+    }
+    let workers = s["workers"].as_array().unwrap();
+    assert_eq!(workers.len(), 3);
+    for w in workers {
+        for key in [
+            "id",
+            "role",
+            "device",
+            "gpu",
+            "pid",
+            "state",
+            "cpus",
+            "batches_done",
+            "restarts",
+            "last_exit",
+            "heartbeat_age_s",
+            "gpu_power_w",
+            "gpu_utilization_pct",
+            "gpu_memory_used_mb",
+            "gpu_temperature_c",
+        ] {
+            assert!(w.get(key).is_some(), "worker.{key} missing: {w}");
+        }
+        assert!(w["gpu_power_w"].is_null());
+        assert_eq!(w["gpu_unavailable"], "CPU worker");
+        assert!(!w["cpus"].as_array().unwrap().is_empty());
+    }
+    assert_eq!(workers.iter().filter(|w| w["role"] == "drafter").count(), 1);
+    let text = stdout_ok(&orch(&[
+        "status",
+        "--run-dir",
+        dir.path().to_str().unwrap(),
+    ]));
+    assert!(
+        text.contains("drafter") && text.contains("target"),
+        "{text}"
+    );
+
+    // A socket others could use is refused by the client.
+    let sock = dir.path().join("control.sock");
+    use std::os::unix::fs::PermissionsExt;
+    fs::set_permissions(&sock, fs::Permissions::from_mode(0o666)).unwrap();
+    assert_refused(
+        &orch(&["status", "--run-dir", dir.path().to_str().unwrap()]),
+        2,
+        "not owner-only",
+    );
+    // Another uid reaching the socket is refused by the server.
+    fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755)).unwrap();
+    let stranger = Command::new(bin("dflash-orch"))
+        .args([
+            "status",
+            "--run-dir",
+            dir.path().to_str().unwrap(),
+            "--json",
+        ])
+        .uid(65534)
+        .gid(65534)
+        .output()
+        .unwrap();
+    assert!(!stranger.status.success());
+    let err = String::from_utf8_lossy(&stranger.stderr);
+    assert!(err.contains("refus") || err.contains("ermission"), "{err}");
+    assert!(stranger.stdout.is_empty());
+    fs::set_permissions(&sock, fs::Permissions::from_mode(0o600)).unwrap();
+    status(dir.path());
+
+    let out = orch(&["stop", "--run-dir", dir.path().to_str().unwrap()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(child.wait().unwrap().success());
+    assert_eq!(
+        journal_events(dir.path(), "end").last().unwrap()["status"],
+        "stopped"
+    );
+    assert_clean(dir.path());
+}
+
+mod bad_input {
+    use super::*;
+
+    fn launch(dir: &Path, args: &[&str]) -> Output {
+        let mut all = vec![
+            "launch",
+            "--run-dir",
+            dir.to_str().unwrap(),
+            "--synthetic",
+            "100",
+        ];
+        all.extend_from_slice(args);
+        orch(&all)
+    }
+
+    #[test]
+    fn gpu_ids_without_gpus_point_to_cpu_workers() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_refused(&launch(dir.path(), &["--gpus", "0-1"]), 2, "cpu:N");
+        assert_refused(
+            &launch(dir.path(), &["--gpus", "zero"]),
+            2,
+            "invalid --gpus",
+        );
+        assert_refused(
+            &launch(dir.path(), &["--gpus", "cpu:1"]),
+            2,
+            "at least 2 workers",
+        );
+    }
+
+    #[test]
+    fn topology_must_match_the_workers() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_refused(
+            &launch(dir.path(), &["--gpus", "cpu:3", "--topology", "5:1"]),
+            2,
+            "needs 6 workers",
+        );
+        assert_refused(
+            &launch(dir.path(), &["--gpus", "cpu:3", "--topology", "3"]),
+            2,
+            "invalid --topology",
+        );
+    }
+
+    #[test]
+    fn a_run_dir_with_a_live_run_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut child = start(dir.path());
+        wait_until("the run to start", Duration::from_secs(30), || {
+            commits(dir.path()).len() >= 1
+        });
+        assert_refused(
+            &launch(dir.path(), &["--gpus", "cpu:2", "--resume"]),
+            2,
+            "holds a live run",
+        );
+        assert_refused(
+            &orch(&["clean", "--run-dir", dir.path().to_str().unwrap()]),
+            2,
+            "holds a live run",
+        );
+        child.kill().unwrap();
+        child.wait().unwrap();
+        // Dead now: clean removes what it left in /dev/shm.
+        stdout_ok(&orch(&["clean", "--run-dir", dir.path().to_str().unwrap()]));
+        assert_clean(dir.path());
+        // A finished or crashed run's dir is not reused by a fresh launch.
+        assert_refused(&launch(dir.path(), &["--gpus", "cpu:2"]), 2, "--resume");
+    }
+
+    #[test]
+    fn a_corrupt_journal_line_is_named_on_resume() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = launch_command(dir.path(), "0", &[]).output().unwrap();
+        assert!(out.status.success());
+        let path = dir.path().join("journal.jsonl");
+        let text = fs::read_to_string(&path).unwrap();
+        let mut lines: Vec<&str> = text.lines().collect();
+        lines[3] = "{\"event\": garbage";
+        fs::write(&path, lines.join("\n") + "\n").unwrap();
+        assert_refused(
+            &launch(dir.path(), &["--resume"]),
+            2,
+            "journal.jsonl:4: corrupt journal line",
+        );
+    }
+}
