@@ -369,7 +369,29 @@ fn status_reports_every_worker_and_refuses_strangers() {
         }
         assert!(w["gpu_power_w"].is_null());
         assert_eq!(w["gpu_unavailable"], "CPU worker");
-        assert!(!w["cpus"].as_array().unwrap().is_empty());
+        // Pinned as reported.
+        let cpus: Vec<u64> = w["cpus"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c.as_u64().unwrap())
+            .collect();
+        assert!(!cpus.is_empty());
+        let proc_status = fs::read_to_string(format!("/proc/{}/status", w["pid"])).unwrap();
+        let allowed = proc_status
+            .lines()
+            .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+            .unwrap()
+            .trim()
+            .to_owned();
+        let listed: Vec<u64> = allowed
+            .split(',')
+            .flat_map(|part| match part.split_once('-') {
+                Some((a, b)) => (a.parse().unwrap()..=b.parse().unwrap()).collect::<Vec<u64>>(),
+                None => vec![part.parse().unwrap()],
+            })
+            .collect();
+        assert_eq!(listed, cpus, "worker {} pinned to {allowed}", w["id"]);
     }
     assert_eq!(workers.iter().filter(|w| w["role"] == "drafter").count(), 1);
     let text = stdout_ok(&orch(&[

@@ -518,6 +518,36 @@ pub fn launch(config: RunConfig, run_dir_path: &Path, resume: bool) -> Result<Ou
 
     let available = workers::available_cpus();
     let count = devices.len();
+    let gpu_cpus = |device: Device| -> Option<Vec<usize>> {
+        let Device::Gpu(index) = device else {
+            return None;
+        };
+        let nvml = nvml.as_ref().ok()?;
+        let mask = nvml
+            .device_by_index(index)
+            .ok()?
+            .cpu_affinity(available.iter().max().map_or(1, |m| m / 64 + 1))
+            .ok()?;
+        let local: Vec<usize> = available
+            .iter()
+            .copied()
+            .filter(|&c| mask.get(c / 64).is_some_and(|w| w >> (c % 64) & 1 == 1))
+            .collect();
+        (!local.is_empty()).then_some(local)
+    };
+    // NUMA-local CPUs for GPU workers where NVML reports them, shared among the GPUs of a node;
+    // otherwise an equal share of all available CPUs.
+    let pools: Vec<Vec<usize>> = devices
+        .iter()
+        .map(|&d| gpu_cpus(d).unwrap_or_else(|| available.clone()))
+        .collect();
+    let pinned: Vec<Vec<usize>> = (0..count)
+        .map(|i| {
+            let peers: Vec<usize> = (0..count).filter(|&j| pools[j] == pools[i]).collect();
+            let rank = peers.iter().position(|&j| j == i).unwrap_or(0);
+            workers::cpus_for(rank, peers.len(), &pools[i])
+        })
+        .collect();
     let workers_list = devices
         .into_iter()
         .enumerate()
@@ -529,7 +559,7 @@ pub fn launch(config: RunConfig, run_dir_path: &Path, resume: bool) -> Result<Ou
                 Role::Drafter
             },
             device,
-            cpus: workers::cpus_for(i, count, &available),
+            cpus: pinned[i].clone(),
             incarnation: 0,
             process: None,
             jobs: None,
