@@ -119,19 +119,27 @@ pub fn run(args: LaunchArgs) -> Result<(), CliError> {
             heartbeat_ms: ((args.heartbeat_timeout * 1000.0 / 10.0) as u64).clamp(20, 1000),
         }
     };
+    let line = |what: &str, s: &runtime::Summary| {
+        eprintln!(
+            "run {what}: {} steps committed in total, {} tokens this session in {:.1} s ({:.0} tokens/s), {} worker restarts; journal {}",
+            s.steps,
+            s.tokens,
+            s.seconds,
+            s.tokens as f64 / s.seconds.max(1e-9),
+            s.restarts,
+            dflash_common::run_dir::journal(&args.run_dir).display()
+        )
+    };
     match runtime::launch(config, &args.run_dir, args.resume) {
-        Ok(Outcome::Completed) => {
-            eprintln!("run completed: {}", args.run_dir.display());
+        Ok((Outcome::Completed, s)) => {
+            line("completed", &s);
             Ok(())
         }
-        Ok(Outcome::Stopped) => {
-            eprintln!(
-                "run stopped: {} (continue with --resume)",
-                args.run_dir.display()
-            );
+        Ok((Outcome::Stopped, s)) => {
+            line("stopped (continue with --resume)", &s);
             Ok(())
         }
-        Ok(Outcome::Interrupted) => Err(CliError::Interrupted(format!(
+        Ok((Outcome::Interrupted, _)) => Err(CliError::Interrupted(format!(
             "run stopped; continue with `dflash-orch launch --resume --run-dir {}`",
             args.run_dir.display()
         ))),

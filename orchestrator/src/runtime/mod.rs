@@ -104,6 +104,15 @@ pub enum RunError {
     Failed(String),
 }
 
+/// What a run did, for the closing line.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Summary {
+    pub steps: u64,
+    pub tokens: u64,
+    pub seconds: f64,
+    pub restarts: u64,
+}
+
 /// How a run ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
@@ -341,7 +350,11 @@ pub fn init_nvml() -> Result<nvml_wrapper::Nvml, String> {
 }
 
 /// Starts (or resumes) the run in `run_dir` and drives it to its end.
-pub fn launch(config: RunConfig, run_dir_path: &Path, resume: bool) -> Result<Outcome, RunError> {
+pub fn launch(
+    config: RunConfig,
+    run_dir_path: &Path,
+    resume: bool,
+) -> Result<(Outcome, Summary), RunError> {
     std::fs::create_dir_all(run_dir_path)
         .map_err(|e| RunError::Invalid(format!("{}: {e}", run_dir_path.display())))?;
     let _lock = lock_run_dir(run_dir_path)?;
@@ -620,6 +633,13 @@ pub fn launch(config: RunConfig, run_dir_path: &Path, resume: bool) -> Result<Ou
     };
     let result = run.drive(&inbox, start.epoch == run.epoch && start.batch == 0);
     run.shutdown();
+    let summary = Summary {
+        steps: run.committed_total,
+        tokens: run.tokens_committed,
+        seconds: run.started.elapsed().as_secs_f64(),
+        restarts: run.workers.iter().map(|w| w.restarts).sum(),
+    };
+    let result = result.map(|outcome| (outcome, summary));
     let _ = std::fs::remove_file(run_dir::control_socket(&run.run_dir));
     remove_segments(&run.run_id);
     result
