@@ -14,6 +14,8 @@ use serde_json::Value;
 const SAMPLES: &str = "1000";
 
 fn launch_command(run_dir: &Path, us_per_token: &str, extra: &[&str]) -> Command {
+    // `--crash-loop` is ours: a small restart budget.
+    let crash_loop = extra.contains(&"--crash-loop");
     let mut c = Command::new(bin("dflash-orch"));
     c.args(["launch", "--gpus", "cpu:3", "--run-dir"])
         .arg(run_dir)
@@ -25,21 +27,15 @@ fn launch_command(run_dir: &Path, us_per_token: &str, extra: &[&str]) -> Command
             "--max-len",
             "4096",
         ])
-        .args([
-            "--buckets",
-            "auto:4",
-            "--epochs",
-            "2",
-            "--max-restarts",
-            "10",
-        ])
+        .args(["--buckets", "auto:4", "--epochs", "2"])
+        .args(["--max-restarts", if crash_loop { "2" } else { "10" }])
         .args([
             "--heartbeat-timeout",
             "1.5",
             "--synthetic-us-per-token",
             us_per_token,
         ])
-        .args(extra)
+        .args(extra.iter().filter(|a| **a != "--crash-loop"))
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped());
@@ -535,4 +531,30 @@ mod bad_input {
             "journal.jsonl:4: corrupt journal line",
         );
     }
+}
+
+#[test]
+fn a_crash_loop_stops_the_run_with_the_last_exit_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let fake = dir.path().join("crashing-worker");
+    fs::write(&fake, "#!/bin/sh\nexit 3\n").unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    fs::set_permissions(&fake, fs::Permissions::from_mode(0o755)).unwrap();
+    let run = dir.path().join("run");
+    let out = launch_command(&run, "0", &["--crash-loop"])
+        .env("DFLASH_WORKER_BIN", &fake)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("exceeded --max-restarts 2"), "{err}");
+    assert!(err.contains("last exit: exited with code 3"), "{err}");
+    assert_clean(&run);
+}
+
+#[test]
+fn status_without_a_live_run_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = orch(&["status", "--run-dir", dir.path().to_str().unwrap()]);
+    assert_refused(&out, 1, "no live run");
 }
