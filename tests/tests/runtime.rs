@@ -277,6 +277,11 @@ fn sigkill_the_orchestrator_then_resume() {
     }
     let before = commits(dir.path()).len();
     assert!(before < want.len());
+    // As if the crash had cut the last write short.
+    let journal = dir.path().join("journal.jsonl");
+    let mut text = fs::read(&journal).unwrap();
+    text.extend_from_slice(b"{\"event\":\"commit\",\"epo");
+    fs::write(&journal, text).unwrap();
     let resumed = launch_command(dir.path(), "0", &["--resume"])
         .output()
         .unwrap();

@@ -76,6 +76,15 @@ impl JournalWriter {
     }
 }
 
+/// Truncates the journal after its last complete line.
+pub fn drop_torn_tail(path: &Path) -> io::Result<()> {
+    let bytes = std::fs::read(path)?;
+    let keep = bytes.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
+    let file = OpenOptions::new().write(true).open(path)?;
+    file.set_len(keep as u64)?;
+    file.sync_all()
+}
+
 /// A journal that cannot be read.
 #[derive(Debug, thiserror::Error)]
 pub enum JournalError {
@@ -244,6 +253,9 @@ mod tests {
     fn torn_last_line_is_dropped_and_corrupt_lines_are_named() {
         let (_d, p) = write(&format!("{RUN}\n{{\"event\":\"epo"));
         assert!(read(&p).unwrap().torn_tail);
+        drop_torn_tail(&p).unwrap();
+        assert_eq!(std::fs::read_to_string(&p).unwrap(), format!("{RUN}\n"));
+        assert!(!read(&p).unwrap().torn_tail);
         let (_d, p) = write(&format!("{RUN}\nnot json\n{RUN}\n"));
         let e = read(&p).unwrap_err().to_string();
         assert!(e.contains(":2: corrupt journal line"), "{e}");

@@ -361,6 +361,12 @@ pub fn launch(
     let journal_path = run_dir::journal(run_dir_path);
     let (config, start) = if resume {
         let history = journal::read(&journal_path).map_err(|e| RunError::Invalid(e.to_string()))?;
+        if history.torn_tail {
+            // The last write was cut short by a crash: drop it, so the next entry starts a line.
+            journal::drop_torn_tail(&journal_path)
+                .map_err(|e| RunError::Invalid(format!("{}: {e}", journal_path.display())))?;
+            tracing::warn!("dropped a journal line cut short by a crash");
+        }
         if history.ended.as_deref() == Some("completed") {
             return Err(RunError::Invalid(format!(
                 "the run in {} already completed",
