@@ -49,15 +49,102 @@ pub struct SlotMeta {
     pub checksum: u32,
 }
 
-/// Checksum of token ids (FNV-1a over the 32-bit words): what the orchestrator wrote, what the
-/// drafter must find again.
-pub fn token_checksum(tokens: impl IntoIterator<Item = u32>) -> u32 {
-    let mut h: u32 = 0x811c_9dc5;
-    for t in tokens {
-        h ^= t;
-        h = h.wrapping_mul(0x0100_0193);
+/// Checksum of token ids (CRC-32C of their little-endian bytes): what the orchestrator wrote, what
+/// the drafter must find again.
+pub fn token_checksum(tokens: &[u32]) -> u32 {
+    crc32c::crc32c(bytemuck::cast_slice(tokens))
+}
+
+/// Byte offset of the token array in an input slot for batches of at most `token_budget` tokens.
+pub fn tokens_offset(token_budget: u64) -> usize {
+    4 * (token_budget as usize + 1)
+}
+
+/// Writes a batch into an input slot's data: `lengths[count]` then `count` rows of `max_len`
+/// tokens zero-padded (padded layout), or `cu_seqlens[count + 1]` then the tokens back to back
+/// (packed). `tokens` holds the real tokens in sample order. Returns the slot meta (checksum
+/// included) for [`Ring::publish`].
+pub fn write_batch(
+    data: &mut [u8],
+    layout: Layout,
+    lengths: &[u32],
+    tokens: &[u32],
+    max_len: u32,
+    token_budget: u64,
+) -> SlotMeta {
+    let base = tokens_offset(token_budget);
+    let count = lengths.len();
+    match layout {
+        Layout::Padded => {
+            data[..4 * count].copy_from_slice(bytemuck::cast_slice(lengths));
+            let row = 4 * max_len as usize;
+            let mut from = 0;
+            for (r, &len) in lengths.iter().enumerate() {
+                let len = len as usize;
+                let dst = &mut data[base + r * row..base + (r + 1) * row];
+                dst[..4 * len].copy_from_slice(bytemuck::cast_slice(&tokens[from..from + len]));
+                dst[4 * len..].fill(0);
+                from += len;
+            }
+        }
+        Layout::Packed => {
+            let mut cu = 0u32;
+            data[..4].copy_from_slice(&0u32.to_le_bytes());
+            for (i, &len) in lengths.iter().enumerate() {
+                cu += len;
+                data[4 * (i + 1)..4 * (i + 2)].copy_from_slice(&cu.to_le_bytes());
+            }
+            data[base..base + 4 * tokens.len()].copy_from_slice(bytemuck::cast_slice(tokens));
+        }
     }
-    h
+    SlotMeta {
+        layout: layout as u32,
+        count: count as u32,
+        max_len,
+        tokens: tokens.len() as u32,
+        tokens_offset: base as u32,
+        checksum: token_checksum(tokens),
+    }
+}
+
+/// Appends the real tokens of the batch in an input slot's data to `out`, in sample order,
+/// checking the shape against the slot.
+pub fn read_tokens(data: &[u8], meta: &SlotMeta, out: &mut Vec<u32>) -> Result<(), String> {
+    let words = |from: usize, n: usize| -> Result<&[u32], String> {
+        let bytes = from
+            .checked_add(4 * n)
+            .and_then(|end| data.get(from..end))
+            .ok_or_else(|| format!("batch shape {meta:?} exceeds the slot"))?;
+        bytemuck::try_cast_slice(bytes).map_err(|e| format!("slot data: {e:?}"))
+    };
+    let count = meta.count as usize;
+    let base = meta.tokens_offset as usize;
+    let start = out.len();
+    if meta.layout == Layout::Padded as u32 {
+        let max = meta.max_len as usize;
+        for (row, &len) in words(0, count)?.iter().enumerate() {
+            if len as usize > max {
+                return Err(format!("row {row} length {len} exceeds max_len {max}"));
+            }
+            out.extend_from_slice(words(base + 4 * row * max, len as usize)?);
+        }
+    } else if meta.layout == Layout::Packed as u32 {
+        let cu = words(0, count + 1)?;
+        if cu.first() != Some(&0) || cu.windows(2).any(|w| w[1] < w[0]) {
+            return Err("cu_seqlens does not start at 0 and increase".into());
+        }
+        out.extend_from_slice(words(base, *cu.last().unwrap_or(&0) as usize)?);
+    } else {
+        return Err(format!("unknown layout {}", meta.layout));
+    }
+    if out.len() - start != meta.tokens as usize {
+        return Err(format!(
+            "batch holds {} tokens, its header says {}",
+            out.len() - start,
+            meta.tokens
+        ));
+    }
+    Ok(())
 }
 
 /// Data bytes a slot needs to hold a batch of at most `token_budget` tokens, with its per-sample
@@ -323,7 +410,7 @@ mod tests {
             max_len: 1,
             tokens: 1,
             tokens_offset: 0,
-            checksum: token_checksum([7]),
+            checksum: token_checksum(&[7]),
         };
         ring.publish(1, 5, meta);
         let other = Ring::open(&path).unwrap();
@@ -339,6 +426,27 @@ mod tests {
             0o600
         );
         std::fs::remove_file(&path).unwrap();
+    }
+
+    #[test]
+    fn write_then_read_both_layouts() {
+        let lengths = [3, 1, 2];
+        let tokens = [10, 11, 12, 20, 30, 31];
+        for layout in [Layout::Padded, Layout::Packed] {
+            let mut data = vec![0xAAu8; 4 * 40];
+            let meta = write_batch(&mut data, layout, &lengths, &tokens, 3, 8);
+            assert_eq!(meta.checksum, token_checksum(&tokens));
+            let mut out = vec![99];
+            read_tokens(&data, &meta, &mut out).unwrap();
+            assert_eq!(out, [99, 10, 11, 12, 20, 30, 31]);
+            // A header that lies is caught, not read past the slot.
+            let mut bad = meta;
+            bad.count = 1000;
+            assert!(read_tokens(&data, &bad, &mut Vec::new()).is_err());
+            bad = meta;
+            bad.tokens += 1;
+            assert!(read_tokens(&data, &bad, &mut Vec::new()).is_err());
+        }
     }
 
     #[test]

@@ -13,12 +13,12 @@
 //!   1. `copy -> in place`: lengths, then each row's tokens with one `copy_from_slice` and its
 //!      padding zeroed (the checksum in `SlotMeta` is the source batch's, computed when it was
 //!      made); the consumer sums every real token where it lies in the slot. The handoff itself.
-//!   2. `copy -> real_tokens`: the consumer reads as `dflash-worker` does today (`real_tokens` in
-//!      worker/src/stage.rs: the real tokens gathered into a new vector).
-//!   3. `copy+checksum -> real_tokens`: the feeder also computes `token_checksum` per batch.
-//!   4. `write_batch -> real_tokens`: the feeder does what `Run::write_batch` does today: gather
-//!      the samples into a scratch vector, `token_checksum` it, store every word with a 4-byte
-//!      `copy_from_slice`.
+//!   2. `copy -> read_tokens`: the consumer reads as the synthetic stage does
+//!      (`dflash_common::ring::read_tokens`: the real tokens gathered into a vector).
+//!   3. `copy+checksum -> read_tokens`: the feeder also computes `token_checksum` per batch.
+//!   4. `write_batch -> read_tokens`: the feeder does what `Run::write_batch` does: gather the
+//!      samples into a scratch vector and call `dflash_common::ring::write_batch` (row copies and
+//!      the CRC-32C checksum).
 //!
 //! Then the descriptor round trip: a small `Job::Train` answered by `Event::Trained`, timed one at a
 //! time.
@@ -37,7 +37,9 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use dflash_common::ring::{Layout, Ring, SlotMeta, input_data_bytes, token_checksum};
+use dflash_common::ring::{
+    Layout, Ring, SlotMeta, input_data_bytes, read_tokens, token_checksum, write_batch,
+};
 use dflash_common::wire::{BatchId, Event, Hello, Job, PROTOCOL, SlotRef};
 use ipc_channel::ipc::{self, IpcOneShotServer, IpcReceiver, IpcSender};
 use serde_json::json;
@@ -58,7 +60,7 @@ struct Args {
     #[arg(long)]
     min_len: Option<u32>,
     /// Slots of the ring, all in flight at once.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 8)]
     slots: u32,
     /// Distinct source batches the feeder cycles through.
     #[arg(long, default_value_t = 8)]
@@ -93,7 +95,7 @@ struct Args {
 }
 
 /// `BatchId::epoch` tells the consumer which measurement a batch belongs to: 0 for the warm-up
-/// (read with `real_tokens`, checksum verified), else the variant's number, with this bit set when
+/// (read with `read_tokens`, checksum verified), else the variant's number, with this bit set when
 /// the consumer reads in place.
 const PHASE_WARMUP: u32 = 0;
 const READ_IN_PLACE: u32 = 0x100;
@@ -124,17 +126,17 @@ const VARIANTS: [Variant; 4] = [
         reader: Reader::InPlace,
     },
     Variant {
-        name: "copy -> real_tokens",
+        name: "copy -> read_tokens",
         writer: Writer::Copy,
         reader: Reader::RealTokens,
     },
     Variant {
-        name: "copy+checksum -> real_tokens",
+        name: "copy+checksum -> read_tokens",
         writer: Writer::CopyChecksum,
         reader: Reader::RealTokens,
     },
     Variant {
-        name: "write_batch -> real_tokens",
+        name: "write_batch -> read_tokens",
         writer: Writer::WriteBatch,
         reader: Reader::RealTokens,
     },
@@ -257,9 +259,10 @@ fn read_real_tokens(ring: &Ring, at: SlotRef, verify: bool) -> Result<(usize, u6
     let meta = ring
         .check(at.slot, at.generation)
         .map_err(|e| e.to_string())?;
-    let tokens = real_tokens(ring.data(at.slot), &meta)?;
+    let mut tokens = Vec::with_capacity(meta.tokens as usize);
+    read_tokens(ring.data(at.slot), &meta, &mut tokens)?;
     if verify {
-        let found = token_checksum(tokens.iter().copied());
+        let found = token_checksum(&tokens);
         if found != meta.checksum {
             return Err(format!(
                 "slot {} generation {}: checksum {found:08x}, the feeder wrote {:08x}",
@@ -271,7 +274,8 @@ fn read_real_tokens(ring: &Ring, at: SlotRef, verify: bool) -> Result<(usize, u6
     Ok((tokens.len(), sum))
 }
 
-/// Checks the slot's generation and sums every real token where it lies (padded layout).
+/// Checks the slot's generation and sums every real token where it lies (padded layout), with a
+/// wrapping 32-bit sum: one pass over the tokens at memory speed, as a copy to the device would be.
 fn read_in_place(ring: &Ring, at: SlotRef) -> Result<(usize, u64), String> {
     let meta = ring
         .check(at.slot, at.generation)
@@ -296,7 +300,7 @@ fn read_in_place(ring: &Ring, at: SlotRef) -> Result<(usize, u64), String> {
             return Err(format!("row {row} length {len} exceeds max_len {max}"));
         }
         let row_tokens = words(base + 4 * row * max, len as usize)?;
-        sum += row_tokens.iter().map(|&t| u64::from(t)).sum::<u64>();
+        sum += u64::from(row_tokens.iter().fold(0u32, |a, &t| a.wrapping_add(t)));
         n += row_tokens.len();
     }
     if n != meta.tokens as usize {
@@ -306,45 +310,6 @@ fn read_in_place(ring: &Ring, at: SlotRef) -> Result<(usize, u64), String> {
         ));
     }
     Ok((n, sum))
-}
-
-/// The real tokens of a batch in sample order: the same code as `real_tokens` in
-/// worker/src/stage.rs (which the orchestrator package does not link).
-fn real_tokens(data: &[u8], meta: &SlotMeta) -> Result<Vec<u32>, String> {
-    let words = |from: usize, n: usize| -> Result<Vec<u32>, String> {
-        let bytes = data
-            .get(from..from + 4 * n)
-            .ok_or_else(|| format!("batch shape {meta:?} exceeds the slot"))?;
-        Ok(bytes
-            .chunks_exact(4)
-            .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
-            .collect())
-    };
-    let count = meta.count as usize;
-    let base = meta.tokens_offset as usize;
-    let mut tokens = Vec::with_capacity(meta.tokens as usize);
-    if meta.layout == Layout::Padded as u32 {
-        let lengths = words(0, count)?;
-        let max = meta.max_len as usize;
-        for (row, &len) in lengths.iter().enumerate() {
-            if len as usize > max {
-                return Err(format!("row {row} length {len} exceeds max_len {max}"));
-            }
-            tokens.extend(words(base + 4 * row * max, len as usize)?);
-        }
-    } else {
-        let cu = words(0, count + 1)?;
-        let total = *cu.last().unwrap_or(&0) as usize;
-        tokens.extend(words(base, total)?);
-    }
-    if tokens.len() != meta.tokens as usize {
-        return Err(format!(
-            "batch holds {} tokens, its header says {}",
-            tokens.len(),
-            meta.tokens
-        ));
-    }
-    Ok(tokens)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -422,7 +387,7 @@ fn make_sources(shape: &Shape, min_len: usize, count: usize) -> Vec<Batch> {
                     padded[row * shape.max_len + p] = t;
                 }
             }
-            let checksum = token_checksum(real.iter().copied());
+            let checksum = token_checksum(&real);
             Batch {
                 lengths,
                 real,
@@ -447,7 +412,7 @@ fn write_slot(
             batch.checksum
         }
         Writer::CopyChecksum => {
-            let checksum = token_checksum(batch.real.iter().copied());
+            let checksum = token_checksum(&batch.real);
             copy_rows(data, batch, shape);
             checksum
         }
@@ -477,37 +442,23 @@ fn copy_rows(data: &mut [u8], batch: &Batch, shape: &Shape) {
     }
 }
 
-/// The padded branch of `Run::write_batch` (orchestrator/src/runtime/mod.rs), with the samples
-/// coming from memory as a store's do: gather, checksum, then one 4-byte store per word.
+/// The orchestrator's path: `dflash_common::ring::write_batch` (what `Run::write_batch` calls),
+/// with the samples gathered from memory as a store's are.
 fn write_batch_path(data: &mut [u8], batch: &Batch, shape: &Shape, scratch: &mut Vec<u32>) -> u32 {
     let mut tokens = std::mem::take(scratch);
     tokens.clear();
-    let mut lengths = Vec::with_capacity(batch.lengths.len());
-    let mut from = 0;
-    for &len in &batch.lengths {
-        tokens.extend_from_slice(&batch.real[from..from + len as usize]);
-        from += len as usize;
-        lengths.push(len);
-    }
-    let checksum = token_checksum(tokens.iter().copied());
-    let tokens_offset = shape.tokens_offset;
-    let mut put = |at: usize, v: u32| data[at..at + 4].copy_from_slice(&v.to_le_bytes());
-    let max = shape.max_len;
-    let mut from = 0;
-    for (row, &len) in lengths.iter().enumerate() {
-        put(4 * row, len);
-        for p in 0..max {
-            let t = if p < len as usize {
-                tokens[from + p]
-            } else {
-                0
-            };
-            put(tokens_offset + 4 * (row * max + p), t);
-        }
-        from += len as usize;
-    }
+    tokens.extend_from_slice(&batch.real);
+    let budget = (shape.tokens_offset / 4 - 1) as u64;
+    let meta = write_batch(
+        data,
+        Layout::Padded,
+        &batch.lengths,
+        &tokens,
+        shape.max_len as u32,
+        budget,
+    );
     *scratch = tokens;
-    checksum
+    meta.checksum
 }
 
 /// The plain-memcpy yardstick: the batch's lengths and padded tokens copied with

@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use dflash_common::ring::{Layout, Ring, SlotMeta, token_checksum};
+use dflash_common::ring::{Ring, SlotMeta, read_tokens, token_checksum};
 use dflash_common::wire::SlotRef;
 
 /// The synthetic stage. A target maps each token to `token ^ mix(position)` in its feature slot;
@@ -43,7 +43,8 @@ impl Synthetic {
                 out.generation
             ));
         }
-        let tokens = real_tokens(input.data(at.slot), &meta)?;
+        let mut tokens = Vec::with_capacity(meta.tokens as usize);
+        read_tokens(input.data(at.slot), &meta, &mut tokens)?;
         let data = features.data_mut(out.slot);
         if tokens.len() * 4 > data.len() {
             return Err(format!(
@@ -88,12 +89,12 @@ impl Synthetic {
         if n * 4 > data.len() {
             return Err(format!("feature slot {} claims {n} tokens", at.slot));
         }
-        let found = token_checksum(
-            data[..n * 4]
-                .chunks_exact(4)
-                .enumerate()
-                .map(|(p, c)| u32::from_le_bytes(c.try_into().expect("4 bytes")) ^ mix(p as u32)),
-        );
+        let tokens: Vec<u32> = data[..n * 4]
+            .chunks_exact(4)
+            .enumerate()
+            .map(|(p, c)| u32::from_le_bytes(c.try_into().expect("4 bytes")) ^ mix(p as u32))
+            .collect();
+        let found = token_checksum(&tokens);
         if found != checksum {
             return Err(format!(
                 "corrupt batch: features give checksum {found:08x}, the orchestrator wrote {checksum:08x}"
@@ -101,45 +102,4 @@ impl Synthetic {
         }
         Ok(found)
     }
-}
-
-/// The real tokens of a batch in sample order.
-pub fn real_tokens(data: &[u8], meta: &SlotMeta) -> Result<Vec<u32>, String> {
-    let words = |from: usize, n: usize| -> Result<Vec<u32>, String> {
-        let bytes = data
-            .get(from..from + 4 * n)
-            .ok_or_else(|| format!("batch shape {meta:?} exceeds the slot"))?;
-        Ok(bytes
-            .chunks_exact(4)
-            .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
-            .collect())
-    };
-    let count = meta.count as usize;
-    let base = meta.tokens_offset as usize;
-    let mut tokens = Vec::with_capacity(meta.tokens as usize);
-    if meta.layout == Layout::Padded as u32 {
-        let lengths = words(0, count)?;
-        let max = meta.max_len as usize;
-        for (row, &len) in lengths.iter().enumerate() {
-            if len as usize > max {
-                return Err(format!("row {row} length {len} exceeds max_len {max}"));
-            }
-            tokens.extend(words(base + 4 * row * max, len as usize)?);
-        }
-    } else {
-        let cu = words(0, count + 1)?;
-        let total = *cu.last().unwrap_or(&0) as usize;
-        if cu.windows(2).any(|w| w[1] < w[0]) {
-            return Err("cu_seqlens is not increasing".into());
-        }
-        tokens.extend(words(base, total)?);
-    }
-    if tokens.len() != meta.tokens as usize {
-        return Err(format!(
-            "batch holds {} tokens, its header says {}",
-            tokens.len(),
-            meta.tokens
-        ));
-    }
-    Ok(tokens)
 }

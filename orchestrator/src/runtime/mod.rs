@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use dflash_common::ring::{Layout, Ring, SlotMeta, input_data_bytes, token_checksum};
+use dflash_common::ring::{Layout, Ring, SlotMeta, input_data_bytes};
 use dflash_common::run_dir;
 use dflash_common::wire::{BatchId, Event, Job, Role, SlotRef};
 use ipc_channel::ipc::IpcSender;
@@ -890,63 +890,30 @@ impl Run {
 
     fn write_batch(&mut self, b: usize, slot: u32) {
         let batch = self.plan.batches[b];
-        let members = self.plan.batch_samples(&batch).to_vec();
-        let budget = self.config.planner.token_budget as usize;
-        let tokens_offset = 4 * (budget + 1);
-        let packed = self.plan.layout == PlanLayout::Packed;
         let mut tokens = std::mem::take(&mut self.scratch);
         tokens.clear();
-        let mut lengths = Vec::with_capacity(members.len());
-        for &s in &members {
+        let mut lengths = Vec::with_capacity(batch.count as usize);
+        for &s in self.plan.batch_samples(&batch) {
             let len = self.planner.lengths()[s as usize];
             self.tokens.sample(s, len, &mut tokens);
             lengths.push(len);
         }
-        let checksum = token_checksum(tokens.iter().copied());
-        let data = self.input.data_mut(slot);
-        let mut put = |at: usize, v: u32| data[at..at + 4].copy_from_slice(&v.to_le_bytes());
-        if packed {
-            let mut cu = 0u32;
-            put(0, 0);
-            for (i, &len) in lengths.iter().enumerate() {
-                cu += len;
-                put(4 * (i + 1), cu);
-            }
-            for (i, &t) in tokens.iter().enumerate() {
-                put(tokens_offset + 4 * i, t);
-            }
-        } else {
-            let max = batch.max_len as usize;
-            let mut from = 0;
-            for (row, &len) in lengths.iter().enumerate() {
-                put(4 * row, len);
-                for p in 0..max {
-                    let t = if p < len as usize {
-                        tokens[from + p]
-                    } else {
-                        0
-                    };
-                    put(tokens_offset + 4 * (row * max + p), t);
-                }
-                from += len as usize;
-            }
-        }
-        self.input_generation[slot as usize] += 1;
-        let meta = SlotMeta {
-            layout: if packed {
-                Layout::Packed
-            } else {
-                Layout::Padded
-            } as u32,
-            count: batch.count,
-            max_len: batch.max_len,
-            tokens: tokens.len() as u32,
-            tokens_offset: tokens_offset as u32,
-            checksum,
+        let layout = match self.plan.layout {
+            PlanLayout::Packed => Layout::Packed,
+            PlanLayout::Padded => Layout::Padded,
         };
+        let meta = dflash_common::ring::write_batch(
+            self.input.data_mut(slot),
+            layout,
+            &lengths,
+            &tokens,
+            batch.max_len,
+            self.config.planner.token_budget,
+        );
+        self.input_generation[slot as usize] += 1;
         self.input
             .publish(slot, self.input_generation[slot as usize], meta);
-        self.checksums[b] = checksum;
+        self.checksums[b] = meta.checksum;
         self.scratch = tokens;
     }
 
