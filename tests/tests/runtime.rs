@@ -563,3 +563,27 @@ fn status_without_a_live_run_says_so() {
     let out = orch(&["status", "--run-dir", dir.path().to_str().unwrap()]);
     assert_refused(&out, 1, "no live run");
 }
+
+/// `/dev/shm` too small for the rings (as in a container's default 64 MB, here 1 MB in a mount
+/// namespace of our own): a clear error at start naming the size needed, nothing left behind.
+#[test]
+fn dev_shm_too_small_is_an_error_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let script = format!(
+        "mount -t tmpfs -o size=1m tmpfs /dev/shm && exec {} launch --gpus cpu:3 --run-dir {} --synthetic 100",
+        bin("dflash-orch").display(),
+        run.display()
+    );
+    let out = Command::new("unshare")
+        .args(["-m", "sh", "-c", &script])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("/dev/shm has 1 MB free, the rings need"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("panicked"));
+}
