@@ -110,6 +110,19 @@ pub fn print_result<T: serde::Serialize>(
     printed.map_err(|e| CliError::io("failed to write to stdout", e))
 }
 
+/// SIGINT and SIGTERM set the returned flag: the command stops cleanly at its next chance (no
+/// half-written output, workers stopped). A second signal ends the process at once with 130.
+pub fn watch_stop_signals() -> std::sync::Arc<std::sync::atomic::AtomicBool> {
+    use std::sync::Arc;
+    let flag = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        let code = i32::from(exit_code::INTERRUPTED);
+        let _ = signal_hook::flag::register_conditional_shutdown(signal, code, Arc::clone(&flag));
+        let _ = signal_hook::flag::register(signal, Arc::clone(&flag));
+    }
+    flag
+}
+
 fn init_logging(verbose: u8) {
     use tracing_subscriber::EnvFilter;
     let default = match verbose {

@@ -195,7 +195,9 @@ fn finish(child: Child) -> Output {
     out
 }
 
-fn kill_mid_run(role: &str) {
+/// Sends `sig` to a worker of `role` mid-run; the run must commit what an undisturbed one does, and
+/// the journal must record the worker's exit with `reason` and its restart.
+fn fault_mid_run(role: &str, sig: &str, reason: &str) {
     let want = reference();
     let dir = tempfile::tempdir().unwrap();
     let child = start(dir.path());
@@ -203,14 +205,14 @@ fn kill_mid_run(role: &str) {
         commits(dir.path()).len() >= 20
     });
     let (id, pid) = worker_pid(dir.path(), role);
-    signal(pid, "KILL");
+    signal(pid, sig);
     finish(child);
     assert_eq!(commits(dir.path()), want);
     let exits = journal_events(dir.path(), "worker_exit");
     assert!(
         exits
             .iter()
-            .any(|e| e["worker"] == id && e["reason"].as_str().unwrap().contains("SIGKILL")),
+            .any(|e| e["worker"] == id && e["reason"].as_str().unwrap().contains(reason)),
         "{exits:?}"
     );
     assert!(
@@ -225,35 +227,17 @@ fn kill_mid_run(role: &str) {
 
 #[test]
 fn sigkill_a_target_mid_run() {
-    kill_mid_run("target");
+    fault_mid_run("target", "KILL", "killed by SIGKILL");
 }
 
 #[test]
 fn sigkill_the_drafter_mid_run() {
-    kill_mid_run("drafter");
+    fault_mid_run("drafter", "KILL", "killed by SIGKILL");
 }
 
 #[test]
 fn sigstop_past_the_heartbeat_timeout() {
-    let want = reference();
-    let dir = tempfile::tempdir().unwrap();
-    let child = start(dir.path());
-    wait_until("20 commits", Duration::from_secs(60), || {
-        commits(dir.path()).len() >= 20
-    });
-    let (id, pid) = worker_pid(dir.path(), "target");
-    signal(pid, "STOP");
-    finish(child);
-    assert_eq!(commits(dir.path()), want);
-    let exits = journal_events(dir.path(), "worker_exit");
-    assert!(
-        exits
-            .iter()
-            .any(|e| e["worker"] == id
-                && e["reason"].as_str().unwrap().contains("missed heartbeats")),
-        "{exits:?}"
-    );
-    assert_clean(dir.path());
+    fault_mid_run("target", "STOP", "missed heartbeats");
 }
 
 #[test]

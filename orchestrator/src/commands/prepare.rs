@@ -323,17 +323,6 @@ fn options(args: &PrepareArgs, tokenizer_vocab: Option<u32>) -> Result<Options, 
     })
 }
 
-/// SIGINT/SIGTERM set the flag (prepare stops at the next record and removes what it wrote); a
-/// second one ends the process at once (the next prepare cleans up).
-fn watch_signals() -> Arc<AtomicBool> {
-    let flag = Arc::new(AtomicBool::new(false));
-    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-        let _ = signal_hook::flag::register_conditional_shutdown(signal, 130, Arc::clone(&flag));
-        let _ = signal_hook::flag::register(signal, Arc::clone(&flag));
-    }
-    flag
-}
-
 pub fn run(args: PrepareArgs) -> Result<(), CliError> {
     let forced = args
         .format
@@ -388,7 +377,7 @@ pub fn run(args: PrepareArgs) -> Result<(), CliError> {
         source_samples: 0,
         source_skipped: 0,
         bar,
-        interrupted: watch_signals(),
+        interrupted: crate::cli::watch_stop_signals(),
         started: Instant::now(),
     };
 

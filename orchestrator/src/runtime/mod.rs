@@ -14,8 +14,7 @@ pub mod workers;
 
 use std::collections::{BTreeSet, VecDeque};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -651,16 +650,6 @@ pub fn launch(
     result
 }
 
-/// SIGINT/SIGTERM: stop cleanly; a second one ends the process at once.
-fn watch_signals() -> Arc<AtomicBool> {
-    let flag = Arc::new(AtomicBool::new(false));
-    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-        let _ = signal_hook::flag::register_conditional_shutdown(signal, 130, Arc::clone(&flag));
-        let _ = signal_hook::flag::register(signal, Arc::clone(&flag));
-    }
-    flag
-}
-
 const TICK: Duration = Duration::from_millis(20);
 const STARTUP_TIMEOUT: Duration = Duration::from_secs(30);
 const STOP_GRACE: Duration = Duration::from_secs(10);
@@ -671,7 +660,7 @@ impl Run {
         inbox: &mpsc::Receiver<Input>,
         new_epoch: bool,
     ) -> Result<Outcome, RunError> {
-        let interrupted = watch_signals();
+        let interrupted = crate::cli::watch_stop_signals();
         if new_epoch {
             self.journal_epoch()?;
         }
