@@ -46,6 +46,8 @@ pub enum Command {
     Stop(commands::stop::StopArgs),
     /// Remove a dead run's shared-memory segments.
     Clean(commands::clean::CleanArgs),
+    /// Write a small random-weight Qwen3 target (for tests and the demo; no downloads).
+    InitTiny(commands::init_tiny::InitTinyArgs),
 }
 
 /// A failure of a command, with the exit code it maps to.
@@ -152,6 +154,7 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::Restart(args) => commands::restart::run(args),
         Command::Stop(args) => commands::stop::run(args),
         Command::Clean(args) => commands::clean::run(args),
+        Command::InitTiny(args) => commands::init_tiny::run(args),
     }
 }
 

@@ -1,0 +1,3 @@
+//! Models the stages run, on candle (CPU; CUDA comes with the `cuda` feature in a later step).
+
+pub mod qwen3;
