@@ -571,3 +571,18 @@ fn dev_shm_too_small_is_an_error_at_start() {
     );
     assert!(!stderr.contains("panicked"));
 }
+
+/// A launch killed before its journal's first line leaves an empty journal: a new launch of the
+/// same run directory starts afresh instead of refusing it.
+#[test]
+fn an_empty_journal_does_not_block_a_fresh_launch() {
+    let dir = tempfile::tempdir().unwrap();
+    fs::write(dir.path().join("journal.jsonl"), "").unwrap();
+    let out = launch_command(dir.path(), "0", &[]).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(commits(dir.path()), reference());
+}

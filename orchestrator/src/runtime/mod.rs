@@ -398,6 +398,12 @@ pub fn launch(
             },
         )
     } else {
+        // A journal without its first line is a launch that died before starting: start afresh.
+        let empty = std::fs::metadata(&journal_path).is_ok_and(|m| m.len() == 0)
+            || journal::read(&journal_path).is_ok_and(|h| h.config.is_none());
+        if empty {
+            let _ = std::fs::remove_file(&journal_path);
+        }
         if journal_path.exists() {
             return Err(RunError::Invalid(format!(
                 "{} already holds a run (its journal exists): pass --resume to continue it, or use another --run-dir",
