@@ -7,6 +7,7 @@
 
 pub mod model;
 pub mod stage;
+pub mod train;
 
 use std::path::PathBuf;
 use std::process::ExitCode;

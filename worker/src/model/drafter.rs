@@ -473,41 +473,38 @@ mod tests {
         assert_ne!(loss_of(&bump(4)), base, "earlier context is seen");
     }
 
-    /// AdamW on one batch drives the loss down: the step learns.
+    /// The training step (AdamW, accumulation of 2 micro-batches, clipping) on one batch drives
+    /// the loss down: the step learns.
     #[test]
-    fn adamw_steps_reduce_the_loss() {
-        use candle_nn::Optimizer;
+    fn training_steps_reduce_the_loss() {
+        use crate::train::{Accumulator, AdamW, AdamWConfig, clip_grad_norm};
         let (drafter, features, embedding, lm_head, tokens, mask) = setup();
         let vars: Vec<Var> = drafter.params.iter().map(|p| p.var.clone()).collect();
-        let mut opt = candle_nn::AdamW::new(
-            vars,
-            candle_nn::ParamsAdamW {
-                lr: 1e-2,
-                ..Default::default()
-            },
-        )
-        .unwrap();
-        let step = |opt: &mut candle_nn::AdamW| {
-            let (loss, _) = drafter
-                .loss(
-                    &features,
-                    &tokens,
-                    &mask,
-                    &[2, 5, 8],
-                    &embedding,
-                    &lm_head,
-                    Some(7.0),
-                )
-                .unwrap();
-            let value = loss.to_scalar::<f32>().unwrap();
-            opt.backward_step(&loss).unwrap();
-            value
-        };
-        let first = step(&mut opt);
-        let mut last = first;
+        let mut opt = AdamW::new(vars.clone(), AdamWConfig::default()).unwrap();
+        let mut acc = Accumulator::default();
+        let mut losses = Vec::new();
         for _ in 0..40 {
-            last = step(&mut opt);
+            for anchors in [[2usize, 5], [4, 8]] {
+                let (loss, _) = drafter
+                    .loss(
+                        &features,
+                        &tokens,
+                        &mask,
+                        &anchors,
+                        &embedding,
+                        &lm_head,
+                        Some(7.0),
+                    )
+                    .unwrap();
+                losses.push(loss.to_scalar::<f32>().unwrap());
+                acc.add(&loss, &vars, 2).unwrap();
+            }
+            let mut grads = acc.take().unwrap();
+            let norm = clip_grad_norm(&mut grads, 1.0).unwrap();
+            assert!(norm.is_finite() && norm > 0.0);
+            opt.step(&grads, 1e-2).unwrap();
         }
+        let (first, last) = (losses[0] + losses[1], losses[78] + losses[79]);
         assert!(last < 0.5 * first, "loss {first} -> {last}");
     }
 
