@@ -5,6 +5,7 @@
 //! A heartbeat thread tells the orchestrator it is alive; when the orchestrator goes away the
 //! worker exits (and the kernel kills it if the orchestrator dies: PR_SET_PDEATHSIG).
 
+pub mod checkpoint;
 pub mod model;
 pub mod stage;
 pub mod train;
