@@ -30,14 +30,19 @@ pub struct TrainingState {
     pub adam_t: u64,
 }
 
+/// A named f32 tensor: name, shape, values.
+pub type NamedTensor = (String, Vec<usize>, Vec<f32>);
+/// A weight's AdamW moments: name, shape, first moment, second moment.
+pub type NamedMoments = (String, Vec<usize>, Vec<f32>, Vec<f32>);
+
 /// A copy of everything a checkpoint holds, taken on the training thread.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Snapshot {
     pub state: TrainingState,
     /// `(name, shape, values)` of every drafter weight.
-    pub weights: Vec<(String, Vec<usize>, Vec<f32>)>,
+    pub weights: Vec<NamedTensor>,
     /// First and second moments, by weight name.
-    pub moments: Vec<(String, Vec<usize>, Vec<f32>, Vec<f32>)>,
+    pub moments: Vec<NamedMoments>,
     /// `config.json`.
     pub config: Value,
 }
@@ -60,10 +65,10 @@ fn write_safetensors(path: &Path, tensors: &[(String, &[usize], &[f32])]) -> io:
     safetensors::serialize_to_file(views, Some(metadata), path).map_err(io::Error::other)
 }
 
-fn read_safetensors(path: &Path) -> io::Result<Vec<(String, Vec<usize>, Vec<f32>)>> {
+fn read_safetensors(path: &Path) -> io::Result<Vec<NamedTensor>> {
     let bytes = fs::read(path)?;
     let tensors = safetensors::SafeTensors::deserialize(&bytes).map_err(io::Error::other)?;
-    let mut out: Vec<(String, Vec<usize>, Vec<f32>)> = tensors
+    let mut out: Vec<NamedTensor> = tensors
         .tensors()
         .into_iter()
         .map(|(name, view)| {
