@@ -14,6 +14,8 @@
 
 use candle_core::{D, DType, Device, Tensor, Var};
 
+use super::rotate_half;
+
 /// The drafter's shape and training constants.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DrafterConfig {
@@ -66,13 +68,6 @@ fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> candle_core::Result<Tensor
     let mean = x.sqr()?.mean_keepdim(D::Minus1)?;
     x.broadcast_div(&(mean + eps)?.sqrt()?)?
         .broadcast_mul(weight)
-}
-
-fn rotate_half(x: &Tensor) -> candle_core::Result<Tensor> {
-    let half = x.dim(D::Minus1)? / 2;
-    let x1 = x.narrow(D::Minus1, 0, half)?;
-    let x2 = x.narrow(D::Minus1, half, half)?;
-    Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)
 }
 
 /// cos and sin tables for positions `[..]` (any shape), with a trailing `head_dim` axis.
@@ -512,25 +507,9 @@ mod tests {
     fn initialisation_is_deterministic() {
         let (a, ..) = setup();
         let (b, ..) = setup();
+        let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         for (x, y) in a.params.iter().zip(&b.params) {
-            assert_eq!(
-                x.var.as_tensor().to_vec1::<f32>().ok(),
-                y.var.as_tensor().to_vec1::<f32>().ok()
-            );
-            let fx = x
-                .var
-                .as_tensor()
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap();
-            let fy = y
-                .var
-                .as_tensor()
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap();
+            let (fx, fy) = (flat(x.var.as_tensor()), flat(y.var.as_tensor()));
             assert_eq!(fx, fy, "{}", x.name);
         }
     }

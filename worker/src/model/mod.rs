@@ -2,3 +2,14 @@
 
 pub mod drafter;
 pub mod qwen3;
+
+use candle_core::{D, Tensor};
+
+/// The second half of the last axis, negated, then the first half: the rotation of rotary
+/// embeddings as Qwen3 (and `transformers`) apply it.
+pub(crate) fn rotate_half(x: &Tensor) -> candle_core::Result<Tensor> {
+    let half = x.dim(D::Minus1)? / 2;
+    let x1 = x.narrow(D::Minus1, 0, half)?;
+    let x2 = x.narrow(D::Minus1, half, half)?;
+    Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)
+}

@@ -10,9 +10,11 @@
 
 use std::path::{Path, PathBuf};
 
-use candle_core::{D, DType, Device, Module, Tensor};
+use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Embedding, Linear, RmsNorm, VarBuilder};
 use serde::Deserialize;
+
+use super::rotate_half;
 
 /// `config.json` fields the target needs.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -293,13 +295,6 @@ impl Qwen3 {
         }
         Ok(out)
     }
-}
-
-fn rotate_half(x: &Tensor) -> candle_core::Result<Tensor> {
-    let half = x.dim(D::Minus1)? / 2;
-    let x1 = x.narrow(D::Minus1, 0, half)?;
-    let x2 = x.narrow(D::Minus1, half, half)?;
-    Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)
 }
 
 impl Layer {
