@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// "DFLRING1", little-endian.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"DFLRING1");
 /// Layout version: bumped on any change to the header, slot header or data layout.
-pub const LAYOUT_VERSION: u32 = 1;
+pub const LAYOUT_VERSION: u32 = 2;
 pub const HEADER_BYTES: usize = 64;
 pub const SLOT_HEADER_BYTES: usize = 64;
 
@@ -47,6 +47,8 @@ pub struct SlotMeta {
     pub tokens_offset: u32,
     /// Checksum of the real tokens, in sample order ([`token_checksum`]).
     pub checksum: u32,
+    /// Byte offset of the loss masks (one byte per real token, in sample order).
+    pub masks_offset: u32,
 }
 
 /// Checksum of token ids (CRC-32C of their little-endian bytes): what the orchestrator wrote, what
@@ -60,18 +62,31 @@ pub fn tokens_offset(token_budget: u64) -> usize {
     4 * (token_budget as usize + 1)
 }
 
+/// Byte offset of the loss masks in an input slot for batches of at most `token_budget` tokens.
+pub fn masks_offset(token_budget: u64) -> usize {
+    tokens_offset(token_budget) + 4 * token_budget as usize
+}
+
 /// Writes a batch into an input slot's data: `lengths[count]` then `count` rows of `max_len`
 /// tokens zero-padded (padded layout), or `cu_seqlens[count + 1]` then the tokens back to back
-/// (packed). `tokens` holds the real tokens in sample order. Returns the slot meta (checksum
-/// included) for [`Ring::publish`].
+/// (packed); then the loss masks of the real tokens. `tokens` and `masks` hold the real tokens and
+/// their masks in sample order. Returns the slot meta (checksum included) for [`Ring::publish`].
 pub fn write_batch(
     data: &mut [u8],
     layout: Layout,
     lengths: &[u32],
     tokens: &[u32],
+    masks: &[u8],
     max_len: u32,
     token_budget: u64,
 ) -> SlotMeta {
+    debug_assert_eq!(tokens.len(), masks.len());
+    debug_assert!(match layout {
+        Layout::Padded => (lengths.len() as u64) * u64::from(max_len) <= token_budget,
+        Layout::Packed => tokens.len() as u64 <= token_budget,
+    });
+    let masks_at = masks_offset(token_budget);
+    data[masks_at..masks_at + masks.len()].copy_from_slice(masks);
     let base = tokens_offset(token_budget);
     let count = lengths.len();
     match layout {
@@ -104,7 +119,16 @@ pub fn write_batch(
         tokens: tokens.len() as u32,
         tokens_offset: base as u32,
         checksum: token_checksum(tokens),
+        masks_offset: masks_at as u32,
     }
+}
+
+/// The loss masks of the batch in an input slot's data (one byte per real token).
+pub fn read_masks<'a>(data: &'a [u8], meta: &SlotMeta) -> Result<&'a [u8], String> {
+    let from = meta.masks_offset as usize;
+    from.checked_add(meta.tokens as usize)
+        .and_then(|end| data.get(from..end))
+        .ok_or_else(|| format!("batch shape {meta:?} exceeds the slot"))
 }
 
 /// Appends the real tokens of the batch in an input slot's data to `out`, in sample order,
@@ -148,9 +172,9 @@ pub fn read_tokens(data: &[u8], meta: &SlotMeta, out: &mut Vec<u32>) -> Result<(
 }
 
 /// Data bytes a slot needs to hold a batch of at most `token_budget` tokens, with its per-sample
-/// array (`lengths` or `cu_seqlens`).
+/// array (`lengths` or `cu_seqlens`) and its loss masks.
 pub fn input_data_bytes(token_budget: u64) -> u64 {
-    4 * (token_budget + 1) + 4 * token_budget
+    4 * (token_budget + 1) + 4 * token_budget + token_budget
 }
 
 /// Why a ring cannot be used.
@@ -411,6 +435,7 @@ mod tests {
             tokens: 1,
             tokens_offset: 0,
             checksum: token_checksum(&[7]),
+            masks_offset: 0,
         };
         ring.publish(1, 5, meta);
         let other = Ring::open(&path).unwrap();
@@ -432,13 +457,15 @@ mod tests {
     fn write_then_read_both_layouts() {
         let lengths = [3, 1, 2];
         let tokens = [10, 11, 12, 20, 30, 31];
+        let masks = [0, 1, 1, 1, 0, 1];
         for layout in [Layout::Padded, Layout::Packed] {
-            let mut data = vec![0xAAu8; 4 * 40];
-            let meta = write_batch(&mut data, layout, &lengths, &tokens, 3, 8);
+            let mut data = vec![0xAAu8; input_data_bytes(9) as usize];
+            let meta = write_batch(&mut data, layout, &lengths, &tokens, &masks, 3, 9);
             assert_eq!(meta.checksum, token_checksum(&tokens));
             let mut out = vec![99];
             read_tokens(&data, &meta, &mut out).unwrap();
             assert_eq!(out, [99, 10, 11, 12, 20, 30, 31]);
+            assert_eq!(read_masks(&data, &meta).unwrap(), masks);
             // A header that lies is caught, not read past the slot.
             let mut bad = meta;
             bad.count = 1000;
@@ -446,6 +473,8 @@ mod tests {
             bad = meta;
             bad.tokens += 1;
             assert!(read_tokens(&data, &bad, &mut Vec::new()).is_err());
+            bad.masks_offset = u32::MAX;
+            assert!(read_masks(&data, &bad).is_err());
         }
     }
 
@@ -461,7 +490,7 @@ mod tests {
         bytes[8] = 9;
         std::fs::write(&path, &bytes).unwrap();
         assert!(matches!(Ring::open(&path), Err(RingError::Version { .. })));
-        bytes[8] = 1;
+        bytes[8] = LAYOUT_VERSION as u8;
         bytes.truncate(bytes.len() - 64);
         std::fs::write(&path, &bytes).unwrap();
         assert!(matches!(Ring::open(&path), Err(RingError::Size { .. })));

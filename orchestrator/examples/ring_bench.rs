@@ -425,6 +425,9 @@ fn write_slot(
         tokens: batch.real.len() as u32,
         tokens_offset: shape.tokens_offset as u32,
         checksum,
+        // The copy variants leave the masks out: they measure the token handoff alone.
+        masks_offset: dflash_common::ring::masks_offset((shape.tokens_offset / 4 - 1) as u64)
+            as u32,
     }
 }
 
@@ -449,11 +452,14 @@ fn write_batch_path(data: &mut [u8], batch: &Batch, shape: &Shape, scratch: &mut
     tokens.clear();
     tokens.extend_from_slice(&batch.real);
     let budget = (shape.tokens_offset / 4 - 1) as u64;
+    // Every real token carries loss here; the masks are written like any batch's.
+    let masks = vec![1u8; tokens.len()];
     let meta = write_batch(
         data,
         Layout::Padded,
         &batch.lengths,
         &tokens,
+        &masks,
         shape.max_len as u32,
         budget,
     );

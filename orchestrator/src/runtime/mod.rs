@@ -150,17 +150,22 @@ enum Tokens {
 const SYNTHETIC_VOCAB: u32 = 151_936;
 
 impl Tokens {
-    fn sample(&self, index: u32, len: u32, out: &mut Vec<u32>) {
+    /// Appends the first `len` tokens of sample `index` and their loss masks.
+    fn sample(&self, index: u32, len: u32, out: &mut Vec<u32>, masks: &mut Vec<u8>) {
         match self {
             Tokens::Store(store) => {
-                out.extend_from_slice(&store.tokens(index as usize)[..len as usize])
+                out.extend_from_slice(&store.tokens(index as usize)[..len as usize]);
+                masks.extend_from_slice(&store.loss_mask(index as usize)[..len as usize]);
             }
-            Tokens::Synthetic { seed } => out.extend((0..len).map(|p| {
-                let mut x = seed ^ (u64::from(index) << 32 | u64::from(p));
-                x = (x ^ (x >> 33)).wrapping_mul(0xff51_afd7_ed55_8ccd);
-                x = (x ^ (x >> 33)).wrapping_mul(0xc4ce_b9fe_1a85_ec53);
-                ((x ^ (x >> 33)) % u64::from(SYNTHETIC_VOCAB)) as u32
-            })),
+            Tokens::Synthetic { seed } => {
+                out.extend((0..len).map(|p| {
+                    let mut x = seed ^ (u64::from(index) << 32 | u64::from(p));
+                    x = (x ^ (x >> 33)).wrapping_mul(0xff51_afd7_ed55_8ccd);
+                    x = (x ^ (x >> 33)).wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+                    ((x ^ (x >> 33)) % u64::from(SYNTHETIC_VOCAB)) as u32
+                }));
+                masks.extend(std::iter::repeat_n(1u8, len as usize));
+            }
         }
     }
 }
@@ -887,10 +892,11 @@ impl Run {
         let batch = self.plan.batches[b];
         let mut tokens = std::mem::take(&mut self.scratch);
         tokens.clear();
+        let mut masks = Vec::with_capacity(tokens.capacity());
         let mut lengths = Vec::with_capacity(batch.count as usize);
         for &s in self.plan.batch_samples(&batch) {
             let len = self.planner.lengths()[s as usize];
-            self.tokens.sample(s, len, &mut tokens);
+            self.tokens.sample(s, len, &mut tokens, &mut masks);
             lengths.push(len);
         }
         let layout = match self.plan.layout {
@@ -902,6 +908,7 @@ impl Run {
             layout,
             &lengths,
             &tokens,
+            &masks,
             batch.max_len,
             self.config.planner.token_budget,
         );
