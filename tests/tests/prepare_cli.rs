@@ -279,21 +279,24 @@ fn bad_mask_values_and_missing_ids() {
     );
 }
 
-#[test]
-fn empty_file() {
-    let dir = tempfile::tempdir().unwrap();
-    let empty = dir.path().join("empty.jsonl");
-    fs::write(&empty, "").unwrap();
-    let out = dir.path().join("store");
-    let failed = prepare(&["--input", arg(&empty), "--output", arg(&out)]);
-    assert_refused(&failed, 2, "empty.jsonl");
-    assert!(String::from_utf8_lossy(&failed.stderr).contains("empty_file"));
-    assert_only(dir.path(), &["empty.jsonl"]);
-    // Skipped, the other input still makes a store.
+/// A bad whole input file: refused under `--on-bad fail` naming it and `reason`, leaving only the
+/// files already in its directory; skipped and counted beside a good fixture under `--on-bad skip`.
+fn check_bad_file(dir: &Path, bad: &Path, reason: &str, good: &str) {
+    let before: Vec<String> = fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    let keep: Vec<&str> = before.iter().map(String::as_str).collect();
+    let out = dir.join("store");
+    let name = bad.file_name().unwrap().to_str().unwrap();
+    let failed = prepare(&["--input", arg(bad), "--output", arg(&out)]);
+    assert_refused(&failed, 2, name);
+    assert!(String::from_utf8_lossy(&failed.stderr).contains(reason));
+    assert_only(dir, &keep);
     let text = stdout_ok(&prepare(&[
         "--input",
-        arg(&empty),
-        arg(&fixture("pretok.jsonl")),
+        arg(bad),
+        arg(&fixture(good)),
         "--output",
         arg(&out),
         "--on-bad",
@@ -304,10 +307,18 @@ fn empty_file() {
     assert_eq!(
         (
             summary["samples"].as_u64(),
-            summary["skipped"]["empty_file"].as_u64()
+            summary["skipped"][reason].as_u64()
         ),
         (Some(40), Some(1))
     );
+}
+
+#[test]
+fn empty_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let empty = dir.path().join("empty.jsonl");
+    fs::write(&empty, "").unwrap();
+    check_bad_file(dir.path(), &empty, "empty_file", "pretok.jsonl");
     // Skipped and nothing else: no store.
     let alone = prepare(&[
         "--input",
@@ -461,29 +472,7 @@ fn truncated_parquet_file() {
     let bytes = fs::read(fixture("pretok.parquet")).unwrap();
     let cut = dir.path().join("cut.parquet");
     fs::write(&cut, &bytes[..bytes.len() / 2]).unwrap();
-    let out = dir.path().join("store");
-    let failed = prepare(&["--input", arg(&cut), "--output", arg(&out)]);
-    assert_refused(&failed, 2, "cut.parquet");
-    assert!(String::from_utf8_lossy(&failed.stderr).contains("unreadable_file"));
-    assert_only(dir.path(), &["cut.parquet"]);
-    let text = stdout_ok(&prepare(&[
-        "--input",
-        arg(&cut),
-        arg(&fixture("pretok_snappy.parquet")),
-        "--output",
-        arg(&out),
-        "--on-bad",
-        "skip",
-        "--json",
-    ]));
-    let summary: Value = serde_json::from_str(&text).unwrap();
-    assert_eq!(
-        (
-            summary["samples"].as_u64(),
-            summary["skipped"]["unreadable_file"].as_u64()
-        ),
-        (Some(40), Some(1))
-    );
+    check_bad_file(dir.path(), &cut, "unreadable_file", "pretok_snappy.parquet");
 }
 
 #[test]

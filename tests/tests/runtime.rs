@@ -12,6 +12,17 @@ use dflash_e2e::{assert_refused, bin, orch, stdout_ok};
 use serde_json::Value;
 
 const SAMPLES: &str = "1000";
+/// The planner flags of every run here, and of the plans they are checked against.
+const PLAN_FLAGS: [&str; 8] = [
+    "--synthetic",
+    SAMPLES,
+    "--token-budget",
+    "16384",
+    "--max-len",
+    "4096",
+    "--buckets",
+    "auto:4",
+];
 
 fn launch_command(run_dir: &Path, us_per_token: &str, extra: &[&str]) -> Command {
     // `--crash-loop` is ours: a small restart budget.
@@ -19,15 +30,8 @@ fn launch_command(run_dir: &Path, us_per_token: &str, extra: &[&str]) -> Command
     let mut c = Command::new(bin("dflash-orch"));
     c.args(["launch", "--gpus", "cpu:3", "--run-dir"])
         .arg(run_dir)
-        .args([
-            "--synthetic",
-            SAMPLES,
-            "--token-budget",
-            "16384",
-            "--max-len",
-            "4096",
-        ])
-        .args(["--buckets", "auto:4", "--epochs", "2"])
+        .args(PLAN_FLAGS)
+        .args(["--epochs", "2"])
         .args(["--max-restarts", if crash_loop { "2" } else { "10" }])
         .args([
             "--heartbeat-timeout",
@@ -87,21 +91,11 @@ fn reference() -> Vec<(u64, u64, u64, u64, u64)> {
     let c = commits(dir.path());
     let mut step = 0;
     for epoch in 0..2u64 {
-        let plan: Value = serde_json::from_str(&stdout_ok(&orch(&[
-            "plan",
-            "--synthetic",
-            SAMPLES,
-            "--token-budget",
-            "16384",
-            "--max-len",
-            "4096",
-            "--buckets",
-            "auto:4",
-            "--epoch",
-            &epoch.to_string(),
-            "--json",
-        ])))
-        .unwrap();
+        let epoch_text = epoch.to_string();
+        let mut args = vec!["plan"];
+        args.extend(PLAN_FLAGS);
+        args.extend(["--epoch", &epoch_text, "--json"]);
+        let plan: Value = serde_json::from_str(&stdout_ok(&orch(&args))).unwrap();
         let batches = plan["batches"].as_u64().unwrap();
         let mine: Vec<_> = c.iter().filter(|x| x.0 == epoch).collect();
         assert_eq!(mine.len() as u64, batches, "one commit per planned batch");

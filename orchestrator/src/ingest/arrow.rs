@@ -241,22 +241,45 @@ fn read_batches<E: std::fmt::Display>(
     Ok(row)
 }
 
-/// Reads a Parquet file (only its `input_ids` and `loss_mask` columns are decoded).
-pub fn read_parquet(path: &Path, sink: &mut dyn Sink) -> Result<(), Stop> {
-    const WHAT: &str = "Parquet file";
-    let file_at = Location {
+/// An input file opened for reading with its size, or `None` after rejecting it (the rejection's
+/// message says it is not a readable `what`).
+fn open_input(path: &Path, what: &str, sink: &mut dyn Sink) -> Result<Option<(File, u64)>, Stop> {
+    match File::open(path) {
+        Ok(f) => {
+            let size = f.metadata().map(|m| m.len()).unwrap_or(0);
+            Ok(Some((f, size)))
+        }
+        Err(e) => reject_file(path, what, &e, sink).map(|()| None),
+    }
+}
+
+/// Rejects a whole input file that cannot be read as a `what`.
+fn reject_file(
+    path: &Path,
+    what: &str,
+    e: &dyn std::fmt::Display,
+    sink: &mut dyn Sink,
+) -> Result<(), Stop> {
+    let at = Location {
         file: path.to_path_buf(),
         at: Position::File,
     };
-    let unreadable = |e: &dyn std::fmt::Display| format!("not a readable {WHAT}: {e}");
-    let file = match File::open(path) {
-        Ok(f) => f,
-        Err(e) => return sink.reject(&file_at, Reason::UnreadableFile, unreadable(&e)),
+    sink.reject(
+        &at,
+        Reason::UnreadableFile,
+        format!("not a readable {what}: {e}"),
+    )
+}
+
+/// Reads a Parquet file (only its `input_ids` and `loss_mask` columns are decoded).
+pub fn read_parquet(path: &Path, sink: &mut dyn Sink) -> Result<(), Stop> {
+    const WHAT: &str = "Parquet file";
+    let Some((file, size)) = open_input(path, WHAT, sink)? else {
+        return Ok(());
     };
-    let size = file.metadata().map(|m| m.len()).unwrap_or(0);
     let builder = match ParquetRecordBatchReaderBuilder::try_new(file) {
         Ok(b) => b,
-        Err(e) => return sink.reject(&file_at, Reason::UnreadableFile, unreadable(&e)),
+        Err(e) => return reject_file(path, WHAT, &e, sink),
     };
     let total_rows = builder.metadata().file_metadata().num_rows().max(1) as u64;
     let roots: Vec<usize> = builder
@@ -271,7 +294,11 @@ pub fn read_parquet(path: &Path, sink: &mut dyn Sink) -> Result<(), Stop> {
         .iter()
         .any(|&i| builder.schema().field(i).name() == "input_ids")
     {
-        return sink.reject(&file_at, Reason::MissingField, "no input_ids column".into());
+        let at = Location {
+            file: path.to_path_buf(),
+            at: Position::File,
+        };
+        return sink.reject(&at, Reason::MissingField, "no input_ids column".into());
     }
     let mask = ProjectionMask::roots(builder.parquet_schema(), roots);
     let reader = match builder
@@ -280,7 +307,7 @@ pub fn read_parquet(path: &Path, sink: &mut dyn Sink) -> Result<(), Stop> {
         .build()
     {
         Ok(r) => r,
-        Err(e) => return sink.reject(&file_at, Reason::UnreadableFile, unreadable(&e)),
+        Err(e) => return reject_file(path, WHAT, &e, sink),
     };
     let mut reported = 0u64;
     read_batches(path, reader, WHAT, sink, |rows, sink| {
@@ -294,19 +321,12 @@ pub fn read_parquet(path: &Path, sink: &mut dyn Sink) -> Result<(), Stop> {
 /// Reads one Arrow IPC stream file (a `save_to_disk` shard).
 pub fn read_arrow_stream(path: &Path, sink: &mut dyn Sink) -> Result<(), Stop> {
     const WHAT: &str = "Arrow stream";
-    let file_at = Location {
-        file: path.to_path_buf(),
-        at: Position::File,
+    let Some((file, size)) = open_input(path, WHAT, sink)? else {
+        return Ok(());
     };
-    let unreadable = |e: &dyn std::fmt::Display| format!("not a readable {WHAT}: {e}");
-    let file = match File::open(path) {
-        Ok(f) => f,
-        Err(e) => return sink.reject(&file_at, Reason::UnreadableFile, unreadable(&e)),
-    };
-    let size = file.metadata().map(|m| m.len()).unwrap_or(0);
     let reader = match arrow_ipc::reader::StreamReader::try_new(BufReader::new(file), None) {
         Ok(r) => r,
-        Err(e) => return sink.reject(&file_at, Reason::UnreadableFile, unreadable(&e)),
+        Err(e) => return reject_file(path, WHAT, &e, sink),
     };
     read_batches(path, reader, WHAT, sink, |_, _| {})?;
     sink.progress(size);
