@@ -1,6 +1,7 @@
 //! Contracts shared by the orchestrator and its workers: what crosses the process boundary or
 //! lands on disk, versioned, and nothing else.
 
+pub mod dflash;
 pub mod ring;
 pub mod run_dir;
 pub mod wire;

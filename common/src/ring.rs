@@ -171,6 +171,50 @@ pub fn read_tokens(data: &[u8], meta: &SlotMeta, out: &mut Vec<u32>) -> Result<(
     Ok(())
 }
 
+/// The length of every sample of the batch in a slot's data, in sample order.
+pub fn read_lengths(data: &[u8], meta: &SlotMeta) -> Result<Vec<u32>, String> {
+    let count = meta.count as usize;
+    let words = |n: usize| -> Result<Vec<u32>, String> {
+        data.get(..4 * n)
+            .ok_or_else(|| format!("batch shape {meta:?} exceeds the slot"))
+            .map(|b| {
+                b.chunks_exact(4)
+                    .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
+                    .collect()
+            })
+    };
+    let lengths: Vec<u32> = if meta.layout == Layout::Padded as u32 {
+        words(count)?
+    } else if meta.layout == Layout::Packed as u32 {
+        let cu = words(count + 1)?;
+        if cu.first() != Some(&0) || cu.windows(2).any(|w| w[1] < w[0]) {
+            return Err("cu_seqlens does not start at 0 and increase".into());
+        }
+        cu.windows(2).map(|w| w[1] - w[0]).collect()
+    } else {
+        return Err(format!("unknown layout {}", meta.layout));
+    };
+    if lengths.iter().map(|&l| u64::from(l)).sum::<u64>() != u64::from(meta.tokens) {
+        return Err(format!(
+            "batch lengths sum to {}, its header says {} tokens",
+            lengths.iter().map(|&l| u64::from(l)).sum::<u64>(),
+            meta.tokens
+        ));
+    }
+    Ok(lengths)
+}
+
+/// Byte offset of the features in a feature slot for batches of at most `token_budget` tokens
+/// (after the batch itself, laid out as in an input slot, 64-byte aligned).
+pub fn features_offset(token_budget: u64) -> usize {
+    (input_data_bytes(token_budget) as usize).next_multiple_of(64)
+}
+
+/// Data bytes of a feature slot: the batch (packed) and `width` f32 features per token.
+pub fn feature_data_bytes(token_budget: u64, width: u64) -> u64 {
+    features_offset(token_budget) as u64 + 4 * token_budget * width
+}
+
 /// Data bytes a slot needs to hold a batch of at most `token_budget` tokens, with its per-sample
 /// array (`lengths` or `cu_seqlens`) and its loss masks.
 pub fn input_data_bytes(token_budget: u64) -> u64 {
@@ -466,6 +510,7 @@ mod tests {
             read_tokens(&data, &meta, &mut out).unwrap();
             assert_eq!(out, [99, 10, 11, 12, 20, 30, 31]);
             assert_eq!(read_masks(&data, &meta).unwrap(), masks);
+            assert_eq!(read_lengths(&data, &meta).unwrap(), lengths);
             // A header that lies is caught, not read past the slot.
             let mut bad = meta;
             bad.count = 1000;
@@ -473,6 +518,9 @@ mod tests {
             bad = meta;
             bad.tokens += 1;
             assert!(read_tokens(&data, &bad, &mut Vec::new()).is_err());
+            assert!(read_lengths(&data, &bad).is_err());
+            bad.layout = 7;
+            assert!(read_lengths(&data, &bad).is_err());
             bad.masks_offset = u32::MAX;
             assert!(read_masks(&data, &bad).is_err());
         }

@@ -6,7 +6,7 @@ use ipc_channel::ipc::{IpcReceiver, IpcSender};
 use serde::{Deserialize, Serialize};
 
 /// Bumped on any change to these messages or to the ring layout.
-pub const PROTOCOL: u32 = 1;
+pub const PROTOCOL: u32 = 2;
 
 /// What a worker does in the run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -55,6 +55,32 @@ pub struct BatchId {
     pub step: u64,
 }
 
+/// Where a batch stands in its gradient-accumulation group (the planner's windows of `--accum`
+/// batches; the last group of an epoch may be shorter).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Group {
+    /// 0-based position of the batch in its group.
+    pub index: u32,
+    /// Batches in the group.
+    pub len: u32,
+}
+
+impl Group {
+    /// The group of `batch` in an epoch of `batches` batches with windows of `accum`.
+    pub fn of(batch: u64, batches: u64, accum: u32) -> Group {
+        let accum = u64::from(accum.max(1));
+        let start = batch - batch % accum;
+        Group {
+            index: (batch - start) as u32,
+            len: accum.min(batches - start) as u32,
+        }
+    }
+
+    pub fn is_last(self) -> bool {
+        self.index + 1 == self.len
+    }
+}
+
 /// Orchestrator -> worker.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum Job {
@@ -70,9 +96,38 @@ pub enum Job {
         id: BatchId,
         feature: SlotRef,
         checksum: u32,
+        group: Group,
     },
-    /// Finish and exit.
+    /// Finish and exit (a drafter writes its final checkpoint first).
     Stop,
+}
+
+/// An optimiser update, reported with the batch that completed its accumulation group.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Update {
+    /// Optimiser steps taken, this one included.
+    pub step: u64,
+    pub lr: f64,
+    /// Gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Mean loss over the group's micro-batches.
+    pub loss: f64,
+    /// A checkpoint of this step was queued.
+    pub checkpoint: bool,
+}
+
+/// What training one micro-batch measured.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainMetrics {
+    pub loss: f64,
+    /// Per block position: correct predictions and positions counted.
+    pub correct: Vec<u32>,
+    pub counted: Vec<u32>,
+    /// Anchors (blocks) trained.
+    pub anchors: u32,
+    /// Seconds of compute.
+    pub compute_s: f64,
+    pub update: Option<Update>,
 }
 
 /// Worker -> orchestrator.
@@ -80,12 +135,37 @@ pub enum Job {
 pub enum Event {
     /// Alive, whatever it is doing (sent from a thread of its own).
     Heartbeat,
+    /// A drafter with state: training continues from plan position `cursor` (batches of the run
+    /// trained into its weights; 0 for fresh weights), restored from the checkpoint of optimiser
+    /// step `step`. Sent once, before the first `Ready`.
+    Resumed { cursor: u64, step: u64 },
     /// Ready for a job (after start-up and after each job).
     Ready,
     /// Features of the batch are in the feature slot.
     Forwarded { id: BatchId },
     /// The step is trained; the orchestrator commits it.
-    Trained { id: BatchId, checksum: u32 },
+    Trained {
+        id: BatchId,
+        checksum: u32,
+        metrics: Option<TrainMetrics>,
+    },
     /// The job could not be done: the run fails with this reason.
     Failed { id: Option<BatchId>, reason: String },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn groups_follow_the_planner_windows() {
+        assert_eq!(Group::of(0, 10, 4), Group { index: 0, len: 4 });
+        assert_eq!(Group::of(7, 10, 4), Group { index: 3, len: 4 });
+        assert!(Group::of(7, 10, 4).is_last());
+        assert_eq!(Group::of(8, 10, 4), Group { index: 0, len: 2 });
+        assert_eq!(Group::of(9, 10, 4), Group { index: 1, len: 2 });
+        assert!(Group::of(9, 10, 4).is_last());
+        assert_eq!(Group::of(5, 6, 1), Group { index: 0, len: 1 });
+        assert_eq!(Group::of(5, 6, 0), Group { index: 0, len: 1 });
+    }
 }

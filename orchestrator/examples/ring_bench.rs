@@ -204,11 +204,11 @@ fn consumer(name: String, ring_path: &Path) -> Result<(), String> {
         let job = jobs.recv().map_err(|e| format!("lost the feeder: {e}"))?;
         let reply = match job {
             Job::Stop => break,
-            Job::Train {
+            Job::Train { id, checksum, .. } => Event::Trained {
                 id,
-                feature: _,
                 checksum,
-            } => Event::Trained { id, checksum },
+                metrics: None,
+            },
             Job::Forward { id, input, .. } => {
                 let started = Instant::now();
                 let read = if id.epoch & READ_IN_PLACE != 0 {
@@ -595,6 +595,7 @@ impl Feeder<'_> {
                     generation: i as u64,
                 },
                 checksum: i as u32,
+                group: dflash_common::wire::Group { index: 0, len: 1 },
             };
             let started = Instant::now();
             self.jobs

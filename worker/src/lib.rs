@@ -6,6 +6,7 @@
 //! worker exits (and the kernel kills it if the orchestrator dies: PR_SET_PDEATHSIG).
 
 pub mod checkpoint;
+pub mod dflash;
 pub mod model;
 pub mod stage;
 pub mod train;
@@ -45,10 +46,19 @@ pub struct WorkerArgs {
     #[arg(long, value_name = "ROLE", default_value = "target")]
     pub role: String,
 
-    /// The stage to run: synthetic (tests and benchmarks: derives features from tokens and checks
-    /// them; no model).
+    /// The stage to run: dflash (the target model forward, or DFlash drafter training, as
+    /// --dflash-config says), or synthetic (tests and benchmarks: derives features from tokens and
+    /// checks them; no model).
     #[arg(long, value_name = "STAGE", default_value = "synthetic")]
     pub stage: String,
+
+    /// The run's DFlash settings (JSON, written by the orchestrator), for --stage dflash.
+    #[arg(long, value_name = "PATH")]
+    pub dflash_config: Option<PathBuf>,
+
+    /// Print what this build can do (protocol, stages, CUDA) as JSON and exit.
+    #[arg(long)]
+    pub capabilities: bool,
 
     /// Synthetic stage: microseconds spent per token of a forward pass.
     #[arg(long, value_name = "US", default_value_t = 0.0)]
@@ -78,13 +88,17 @@ pub enum WorkerError {
     Disconnected(String),
     #[error(transparent)]
     Ring(#[from] dflash_common::ring::RingError),
+    #[error("{0}")]
+    Stage(String),
 }
 
 impl WorkerError {
     pub fn exit_code(&self) -> u8 {
         match self {
             WorkerError::NoOrchestrator | WorkerError::Invalid(_) => exit_code::INVALID,
-            WorkerError::Disconnected(_) | WorkerError::Ring(_) => exit_code::FAILURE,
+            WorkerError::Disconnected(_) | WorkerError::Ring(_) | WorkerError::Stage(_) => {
+                exit_code::FAILURE
+            }
         }
     }
 }
@@ -96,17 +110,47 @@ fn open_ring(path: &Option<PathBuf>, what: &str) -> Result<Ring, WorkerError> {
     Ok(Ring::open(path)?)
 }
 
+/// Loads the stage this worker runs.
+fn load_stage(args: &WorkerArgs, role: Role) -> Result<Box<dyn stage::Stage>, String> {
+    if args.stage == "synthetic" {
+        return Ok(Box::new(stage::Synthetic::new(args.synthetic_us_per_token)));
+    }
+    let path = args
+        .dflash_config
+        .as_ref()
+        .ok_or("--stage dflash needs --dflash-config")?;
+    let settings = dflash::read_settings(path)?;
+    let device = dflash::device()?;
+    Ok(match role {
+        Role::Target => Box::new(dflash::TargetStage::new(&settings, &device)?),
+        Role::Drafter => Box::new(dflash::DrafterStage::new(&settings, &device)?),
+    })
+}
+
+/// What this build can do, for `--capabilities`.
+pub fn capabilities() -> serde_json::Value {
+    serde_json::json!({
+        "protocol": PROTOCOL,
+        "stages": ["dflash", "synthetic"],
+        "cuda": candle_core::utils::cuda_is_available(),
+    })
+}
+
 /// Serves the orchestrator that started this process until told to stop.
 pub fn run(args: WorkerArgs) -> Result<(), WorkerError> {
+    if args.capabilities {
+        println!("{}", capabilities());
+        return Ok(());
+    }
     let name = args.ipc.clone().ok_or(WorkerError::NoOrchestrator)?;
     let role = match args.role.as_str() {
         "target" => Role::Target,
         "drafter" => Role::Drafter,
         other => return Err(WorkerError::Invalid(format!("unknown role {other:?}"))),
     };
-    if args.stage != "synthetic" {
+    if args.stage != "synthetic" && args.stage != "dflash" {
         return Err(WorkerError::Invalid(format!(
-            "unknown stage {:?} (this build has: synthetic)",
+            "unknown stage {:?} (this build has: dflash, synthetic)",
             args.stage
         )));
     }
@@ -142,12 +186,27 @@ pub fn run(args: WorkerArgs) -> Result<(), WorkerError> {
         Role::Target => Some(open_ring(&args.input_ring, "input")?),
         Role::Drafter => None,
     };
-    let mut stage = stage::Synthetic::new(args.synthetic_us_per_token);
+    let mut stage: Box<dyn stage::Stage> = match load_stage(&args, role) {
+        Ok(stage) => stage,
+        Err(reason) => {
+            // The orchestrator fails the run with this reason rather than restarting us in a loop.
+            let _ = events.send(Event::Failed {
+                id: None,
+                reason: reason.clone(),
+            });
+            return Err(WorkerError::Stage(reason));
+        }
+    };
+    if let Some((cursor, step)) = stage.resumed() {
+        events
+            .send(Event::Resumed { cursor, step })
+            .map_err(|e| lost(&e))?;
+    }
     events.send(Event::Ready).map_err(|e| lost(&e))?;
     loop {
         let job = jobs.recv().map_err(|e| lost(&e))?;
         let reply = match job {
-            Job::Stop => return Ok(()),
+            Job::Stop => return stage.stop().map_err(WorkerError::Stage),
             Job::Forward { id, input, feature } => {
                 let ring = input_ring
                     .as_ref()
@@ -164,10 +223,12 @@ pub fn run(args: WorkerArgs) -> Result<(), WorkerError> {
                 id,
                 feature,
                 checksum,
-            } => match stage.train(&feature_ring, feature, checksum) {
-                Ok(found) => Event::Trained {
+                group,
+            } => match stage.train(&feature_ring, feature, id, checksum, group) {
+                Ok((found, metrics)) => Event::Trained {
                     id,
                     checksum: found,
+                    metrics,
                 },
                 Err(reason) => Event::Failed {
                     id: Some(id),

@@ -5,7 +5,68 @@
 use std::time::{Duration, Instant};
 
 use dflash_common::ring::{Ring, SlotMeta, read_tokens, token_checksum};
-use dflash_common::wire::SlotRef;
+use dflash_common::wire::{BatchId, Group, SlotRef, TrainMetrics};
+
+/// What a worker computes: the synthetic stage, or the DFlash target and drafter.
+pub trait Stage {
+    /// Reads the batch in `input`, writes its features into `feature`.
+    fn forward(
+        &mut self,
+        input: &Ring,
+        at: SlotRef,
+        features: &mut Ring,
+        out: SlotRef,
+    ) -> Result<(), String>;
+
+    /// Trains on the features in `at`, which must hold tokens with `checksum`; returns the
+    /// checksum found and what the step measured.
+    fn train(
+        &mut self,
+        features: &Ring,
+        at: SlotRef,
+        id: BatchId,
+        checksum: u32,
+        group: Group,
+    ) -> Result<(u32, Option<TrainMetrics>), String>;
+
+    /// Where a stateful drafter resumes: (plan cursor, optimiser step).
+    fn resumed(&self) -> Option<(u64, u64)> {
+        None
+    }
+
+    /// Finishes before the process exits (a drafter writes its final checkpoint).
+    fn stop(&mut self) -> Result<(), String> {
+        Ok(())
+    }
+}
+
+/// Checks that the orchestrator still assigns feature slot `out` to this job.
+pub fn check_assigned(features: &Ring, out: SlotRef) -> Result<(), String> {
+    if features.generation(out.slot) != out.generation {
+        return Err(format!(
+            "feature slot {} was reassigned (generation {}, expected {})",
+            out.slot,
+            features.generation(out.slot),
+            out.generation
+        ));
+    }
+    Ok(())
+}
+
+/// Checks that feature slot `at` holds finished features of the expected generation.
+pub fn check_written(features: &Ring, at: SlotRef) -> Result<SlotMeta, String> {
+    let meta = features
+        .check(at.slot, at.generation)
+        .map_err(|e| e.to_string())?;
+    let written = features.written(at.slot);
+    if written != at.generation {
+        return Err(format!(
+            "feature slot {} holds generation {written}, expected {}",
+            at.slot, at.generation
+        ));
+    }
+    Ok(meta)
+}
 
 /// The synthetic stage. A target maps each token to `token ^ mix(position)` in its feature slot;
 /// the drafter maps the features back and checks the tokens' checksum against the orchestrator's.
@@ -22,9 +83,10 @@ impl Synthetic {
     pub fn new(us_per_token: f64) -> Self {
         Self { us_per_token }
     }
+}
 
-    /// Reads the batch in `input`, writes its features into `feature`.
-    pub fn forward(
+impl Stage for Synthetic {
+    fn forward(
         &mut self,
         input: &Ring,
         at: SlotRef,
@@ -35,14 +97,7 @@ impl Synthetic {
         let meta = input
             .check(at.slot, at.generation)
             .map_err(|e| e.to_string())?;
-        if features.generation(out.slot) != out.generation {
-            return Err(format!(
-                "feature slot {} was reassigned (generation {}, expected {})",
-                out.slot,
-                features.generation(out.slot),
-                out.generation
-            ));
-        }
+        check_assigned(features, out)?;
         let mut tokens = Vec::with_capacity(meta.tokens as usize);
         read_tokens(input.data(at.slot), &meta, &mut tokens)?;
         let data = features.data_mut(out.slot);
@@ -71,19 +126,16 @@ impl Synthetic {
         Ok(())
     }
 
-    /// Checks the features in `feature` against the orchestrator's checksum; returns the checksum
-    /// found.
-    pub fn train(&mut self, features: &Ring, at: SlotRef, checksum: u32) -> Result<u32, String> {
-        let meta = features
-            .check(at.slot, at.generation)
-            .map_err(|e| e.to_string())?;
-        let written = features.written(at.slot);
-        if written != at.generation {
-            return Err(format!(
-                "feature slot {} holds generation {written}, expected {}",
-                at.slot, at.generation
-            ));
-        }
+    /// Checks the features in `feature` against the orchestrator's checksum.
+    fn train(
+        &mut self,
+        features: &Ring,
+        at: SlotRef,
+        _id: BatchId,
+        checksum: u32,
+        _group: Group,
+    ) -> Result<(u32, Option<TrainMetrics>), String> {
+        let meta = check_written(features, at)?;
         let data = features.data(at.slot);
         let n = meta.tokens as usize;
         if n * 4 > data.len() {
@@ -100,6 +152,6 @@ impl Synthetic {
                 "corrupt batch: features give checksum {found:08x}, the orchestrator wrote {checksum:08x}"
             ));
         }
-        Ok(found)
+        Ok((found, None))
     }
 }

@@ -31,6 +31,14 @@ pub enum Entry {
         samples: u32,
         checksum: u32,
     },
+    /// The drafter resumed from a checkpoint at an earlier plan position: the commits after it are
+    /// void and are made again by the replay.
+    Rewind {
+        to_step: u64,
+        epoch: u32,
+        batch: u64,
+        reason: String,
+    },
     WorkerStart {
         worker: u32,
         role: String,
@@ -188,6 +196,17 @@ pub fn read(path: &Path) -> Result<History, JournalError> {
                 }
                 history.committed[e] += 1;
             }
+            Entry::Rewind { epoch, batch, .. } => {
+                let e = epoch as usize;
+                if e >= history.committed.len() || batch > history.committed[e] {
+                    return Err(corrupt(format!(
+                        "rewind to batch {batch} of epoch {epoch}, which was not committed"
+                    )));
+                }
+                history.committed.truncate(e + 1);
+                history.epoch_batches.truncate(e + 1);
+                history.committed[e] = batch;
+            }
             Entry::End { status, .. } => history.ended = Some(status),
             Entry::Resume { .. } => history.ended = None,
             Entry::WorkerStart { .. } | Entry::WorkerExit { .. } => {}
@@ -247,6 +266,45 @@ mod tests {
         let h = read(&p).unwrap();
         assert_eq!(h.committed, vec![2, 0]);
         assert_eq!(h.total_committed(), 2);
+    }
+
+    #[test]
+    fn a_rewind_voids_later_commits_even_across_epochs() {
+        let commit = |e: u32, b: u64| {
+            format!(
+                r#"{{"event":"commit","epoch":{e},"step":0,"batch":{b},"samples":1,"checksum":1}}"#
+            )
+        };
+        let epoch = |e: u32| format!(r#"{{"event":"epoch","epoch":{e},"batches":2}}"#);
+        let rewind = |e: u32, b: u64| {
+            format!(r#"{{"event":"rewind","to_step":0,"epoch":{e},"batch":{b},"reason":"r"}}"#)
+        };
+        let lines = [
+            RUN.to_owned(),
+            epoch(0),
+            commit(0, 0),
+            commit(0, 1),
+            epoch(1),
+            commit(1, 0),
+            rewind(0, 1),
+            commit(0, 1),
+            epoch(1),
+            commit(1, 0),
+        ];
+        let (_d, p) = write(&(lines.join("\n") + "\n"));
+        let h = read(&p).unwrap();
+        assert_eq!(h.committed, vec![2, 1]);
+        assert_eq!(h.epoch_batches, vec![2, 2]);
+        // A rewind past what was committed is refused.
+        let (_d, p) = write(&format!("{RUN}\n{}\n{}\n", epoch(0), rewind(0, 1)));
+        assert!(
+            read(&p)
+                .unwrap_err()
+                .to_string()
+                .contains("was not committed")
+        );
+        let (_d, p) = write(&format!("{RUN}\n{}\n{}\n", epoch(0), rewind(3, 0)));
+        assert!(read(&p).is_err());
     }
 
     #[test]

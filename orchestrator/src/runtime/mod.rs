@@ -8,7 +8,9 @@
 //! goes back to the front of the queue) and is restarted with backoff.
 
 pub mod control;
+mod dflash_stage;
 pub mod journal;
+pub mod metrics;
 pub mod spec;
 pub mod workers;
 
@@ -18,9 +20,10 @@ use std::sync::atomic::Ordering;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use dflash_common::ring::{Layout, Ring, SlotMeta, input_data_bytes};
+use dflash_common::dflash::DflashSettings;
+use dflash_common::ring::{Layout, Ring, SlotMeta, feature_data_bytes, input_data_bytes};
 use dflash_common::run_dir;
-use dflash_common::wire::{BatchId, Event, Job, Role, SlotRef};
+use dflash_common::wire::{BatchId, Event, Group, Job, Role, SlotRef, TrainMetrics};
 use ipc_channel::ipc::IpcSender;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
@@ -46,6 +49,9 @@ pub struct RunConfig {
     pub restart_window_s: f64,
     pub heartbeat_timeout_s: f64,
     pub heartbeat_ms: u64,
+    /// The DFlash stage's settings (`--stage dflash`).
+    #[serde(default)]
+    pub dflash: Option<DflashSettings>,
 }
 
 /// The planner options, as text (how they are written on the command line).
@@ -141,9 +147,10 @@ pub enum WorkerInput {
 /// Where batch tokens come from.
 enum Tokens {
     Store(Box<Store>),
-    /// Synthetic token ids, a pure function of (seed, sample, position).
+    /// Synthetic token ids below `vocab`, a pure function of (seed, sample, position).
     Synthetic {
         seed: u64,
+        vocab: u32,
     },
 }
 
@@ -157,12 +164,12 @@ impl Tokens {
                 out.extend_from_slice(&store.tokens(index as usize)[..len as usize]);
                 masks.extend_from_slice(&store.loss_mask(index as usize)[..len as usize]);
             }
-            Tokens::Synthetic { seed } => {
+            Tokens::Synthetic { seed, vocab } => {
                 out.extend((0..len).map(|p| {
                     let mut x = seed ^ (u64::from(index) << 32 | u64::from(p));
                     x = (x ^ (x >> 33)).wrapping_mul(0xff51_afd7_ed55_8ccd);
                     x = (x ^ (x >> 33)).wrapping_mul(0xc4ce_b9fe_1a85_ec53);
-                    ((x ^ (x >> 33)) % u64::from(SYNTHETIC_VOCAB)) as u32
+                    ((x ^ (x >> 33)) % u64::from(*vocab)) as u32
                 }));
                 masks.extend(std::iter::repeat_n(1u8, len as usize));
             }
@@ -252,6 +259,8 @@ struct Start {
     epoch: u32,
     batch: usize,
     step_base: u64,
+    /// Batches of each epoch journaled so far.
+    epoch_sizes: Vec<u64>,
 }
 
 struct Run {
@@ -269,6 +278,16 @@ struct Run {
     batch_input: Vec<u32>,
     checksums: Vec<u32>,
     to_train: BTreeSet<usize>,
+    /// The next batch a drafter gets (plan order).
+    next_train: usize,
+    /// Batches of every epoch journaled so far.
+    epoch_sizes: Vec<u64>,
+    /// A drafter resumed at this plan position: the pipeline is drained, then repositioned.
+    rewind_to: Option<u64>,
+    metrics: metrics::Metrics,
+    /// Plan position where this session started (for its rate).
+    session_start: u64,
+    last_progress: Instant,
     next_commit: usize,
     committed_total: u64,
     tokens_committed: u64,
@@ -400,6 +419,7 @@ pub fn launch(
                 epoch,
                 batch,
                 step_base,
+                epoch_sizes: history.epoch_batches.clone(),
             },
         )
     } else {
@@ -421,6 +441,7 @@ pub fn launch(
                 epoch: 0,
                 batch: 0,
                 step_base: 0,
+                epoch_sizes: Vec::new(),
             },
         )
     };
@@ -437,16 +458,21 @@ pub fn launch(
         .transpose()
         .map_err(RunError::Invalid)?;
     let topology = Topology::resolve(given, devices.len() as u32).map_err(RunError::Invalid)?;
-    if config.stage != "synthetic" {
+    if config.stage != "synthetic" && config.stage != "dflash" {
         return Err(RunError::Invalid(format!(
-            "unknown --stage {:?} (this build has: synthetic)",
+            "unknown --stage {:?} (this build has: dflash, synthetic)",
             config.stage
         )));
+    }
+    if (config.stage == "dflash") != config.dflash.is_some() {
+        return Err(RunError::Invalid(
+            "the DFlash settings go with --stage dflash (and it needs --target-model)".into(),
+        ));
     }
     if config.epochs == 0 {
         return Err(RunError::Invalid("--epochs must be at least 1".into()));
     }
-    let (lengths, tokens) = match (&config.data, config.synthetic) {
+    let (lengths, mut tokens) = match (&config.data, config.synthetic) {
         (Some(dir), _) => {
             let store = Store::open(dir).map_err(|e| RunError::Invalid(e.to_string()))?;
             (store.lengths(), Tokens::Store(Box::new(store)))
@@ -455,6 +481,7 @@ pub fn launch(
             crate::workload::synthetic_lengths(n, config.synthetic_seed),
             Tokens::Synthetic {
                 seed: config.synthetic_seed,
+                vocab: SYNTHETIC_VOCAB,
             },
         ),
         _ => {
@@ -472,6 +499,23 @@ pub fn launch(
             binary.display()
         )));
     }
+    let mut config = config;
+    let mut feature_width = 1;
+    let mut dflash_file = None;
+    if let Some(settings) = config.dflash.as_mut() {
+        let target = dflash_stage::check(settings, &mut tokens, &devices, &binary)?;
+        if settings.total_steps == 0 {
+            settings.total_steps =
+                dflash_stage::total_steps(&planner, config.epochs, config.planner.accum);
+        }
+        settings.token_budget = config.planner.token_budget;
+        settings.checkpoint_dir = run_dir_path
+            .canonicalize()
+            .unwrap_or_else(|_| run_dir_path.to_path_buf())
+            .join("checkpoints");
+        feature_width = settings.feature_width(&target);
+        dflash_file = Some(dflash_stage::write_settings(run_dir_path, settings)?);
+    }
 
     let run_id = run_dir::run_id(run_dir_path);
     for stale in remove_segments(&run_id) {
@@ -482,7 +526,11 @@ pub fn launch(
     let feature_slots = 2 * targets + 2;
     let budget = config.planner.token_budget;
     let input_bytes = 64 + input_data_bytes(budget);
-    let feature_bytes = 64 + 4 * budget;
+    let feature_bytes = if config.dflash.is_some() {
+        64 + feature_data_bytes(budget, feature_width)
+    } else {
+        64 + 4 * budget
+    };
     let needed =
         u64::from(input_slots) * input_bytes + u64::from(feature_slots) * feature_bytes + 128;
     if let Some(free) = shm_free()
@@ -613,6 +661,7 @@ pub fn launch(
         synthetic_us_per_token: config.synthetic_us_per_token,
         heartbeat_ms: config.heartbeat_ms,
         log_dir,
+        dflash_config: dflash_file,
     };
     let plan = planner.plan_epoch(u64::from(start.epoch));
     let mut run = Run {
@@ -627,6 +676,13 @@ pub fn launch(
         batch_input: vec![u32::MAX; plan.batches.len()],
         checksums: vec![0; plan.batches.len()],
         to_train: BTreeSet::new(),
+        next_train: start.batch,
+        epoch_sizes: start.epoch_sizes,
+        rewind_to: None,
+        metrics: metrics::Metrics::open(run_dir_path)
+            .map_err(|e| RunError::Invalid(format!("metrics: {e}")))?,
+        session_start: start.step_base + start.batch as u64,
+        last_progress: Instant::now(),
         next_commit: start.batch,
         committed_total: start.step_base + start.batch as u64,
         tokens_committed: 0,
@@ -663,7 +719,8 @@ pub fn launch(
 
 const TICK: Duration = Duration::from_millis(20);
 const STARTUP_TIMEOUT: Duration = Duration::from_secs(30);
-const STOP_GRACE: Duration = Duration::from_secs(10);
+/// How long stopping workers may take (a drafter writes its final checkpoint) before they are killed.
+const STOP_GRACE: Duration = Duration::from_secs(60);
 
 impl Run {
     fn drive(
@@ -696,6 +753,7 @@ impl Run {
                 let deadline = *stop_deadline.get_or_insert_with(|| Instant::now() + STOP_GRACE);
                 self.wind_down(Instant::now() > deadline);
                 if self.workers.iter().all(|w| w.process.is_none()) {
+                    self.progress(true);
                     let status = match outcome {
                         Outcome::Completed => "completed",
                         Outcome::Stopped => "stopped",
@@ -711,16 +769,21 @@ impl Run {
                 }
                 continue;
             }
+            self.reposition()?;
             self.feed();
             self.dispatch();
+            self.progress(false);
         }
     }
 
     fn journal_epoch(&mut self) -> Result<(), RunError> {
+        let batches = self.plan.batches.len() as u64;
         let entry = Entry::Epoch {
             epoch: self.epoch,
-            batches: self.plan.batches.len() as u64,
+            batches,
         };
+        self.epoch_sizes.truncate(self.epoch as usize);
+        self.epoch_sizes.push(batches);
         self.journal
             .append(&entry)
             .map_err(|e| RunError::Failed(format!("journal: {e}")))
@@ -781,6 +844,24 @@ impl Run {
                     w.state = WorkerState::Stopped;
                 }
             }
+            Event::Resumed { cursor, step } => {
+                if w.role != Role::Drafter {
+                    return Err(RunError::Failed(format!(
+                        "worker {id} ({}) reported a drafter resume",
+                        w.role.name()
+                    )));
+                }
+                tracing::info!(
+                    worker = id,
+                    cursor,
+                    step,
+                    "drafter starts at plan position {cursor} (optimiser step {step})"
+                );
+                self.metrics.reset_group();
+                if cursor != self.committed_total || self.rewind_to.is_some() {
+                    self.rewind_to = Some(cursor);
+                }
+            }
             Event::Forwarded { id: batch_id } => {
                 let Some(Lease::Forward {
                     batch,
@@ -800,6 +881,7 @@ impl Run {
             Event::Trained {
                 id: batch_id,
                 checksum,
+                metrics,
             } => {
                 let Some(Lease::Train { batch, feature }) = w.lease.take() else {
                     return Err(RunError::Failed(format!(
@@ -814,6 +896,9 @@ impl Run {
                     )));
                 }
                 self.feature_slots[feature as usize] = FeatSlot::Trained(batch);
+                if let Some(m) = metrics {
+                    self.record(batch_id, batch, &m)?;
+                }
                 self.commit_ready()?;
             }
             Event::Failed { id: batch, reason } => {
@@ -828,9 +913,9 @@ impl Run {
         Ok(())
     }
 
-    /// Commits trained batches in plan order; moves to the next epoch at the end of one.
+    /// Commits trained batches in plan order.
     fn commit_ready(&mut self) -> Result<(), RunError> {
-        loop {
+        while self.stopping.is_none() {
             let b = self.next_commit;
             let Some(slot) = self
                 .feature_slots
@@ -839,37 +924,181 @@ impl Run {
             else {
                 return Ok(());
             };
-            let batch = &self.plan.batches[b];
-            self.journal
-                .append(&Entry::Commit {
-                    epoch: self.epoch,
-                    step: self.step_base + b as u64,
-                    batch: b as u64,
-                    samples: batch.count,
-                    checksum: self.checksums[b],
-                })
-                .map_err(|e| RunError::Failed(format!("journal: {e}")))?;
-            self.tokens_committed += batch.real_tokens;
             self.feature_slots[slot] = FeatSlot::Free;
-            self.next_commit += 1;
-            self.committed_total += 1;
-            if self.next_commit == self.plan.batches.len() {
+            self.commit(self.checksums[b])?;
+        }
+        Ok(())
+    }
+
+    /// Journals the commit of the next batch; moves to the next epoch at the end of one.
+    fn commit(&mut self, checksum: u32) -> Result<(), RunError> {
+        let b = self.next_commit;
+        let batch = &self.plan.batches[b];
+        self.journal
+            .append(&Entry::Commit {
+                epoch: self.epoch,
+                step: self.step_base + b as u64,
+                batch: b as u64,
+                samples: batch.count,
+                checksum,
+            })
+            .map_err(|e| RunError::Failed(format!("journal: {e}")))?;
+        self.tokens_committed += batch.real_tokens;
+        self.next_commit += 1;
+        self.committed_total += 1;
+        if self.next_commit == self.plan.batches.len() {
+            if self.epoch + 1 == self.config.epochs {
                 self.epoch += 1;
-                if self.epoch == self.config.epochs {
-                    self.stopping = Some(Outcome::Completed);
-                    return Ok(());
-                }
-                self.step_base += self.plan.batches.len() as u64;
-                self.plan = self.planner.plan_epoch(u64::from(self.epoch));
-                let n = self.plan.batches.len();
-                self.batch_input = vec![u32::MAX; n];
-                self.checksums = vec![0; n];
-                self.next_feed = 0;
-                self.next_commit = 0;
-                self.queue.clear();
-                self.to_train.clear();
-                self.journal_epoch()?;
+                self.stopping = Some(Outcome::Completed);
+                return Ok(());
             }
+            let base = self.step_base + self.plan.batches.len() as u64;
+            self.enter(self.epoch + 1, base, 0);
+            self.journal_epoch()?;
+        }
+        Ok(())
+    }
+
+    /// Positions the run at `batch` of `epoch` (whose first step is `base`) with an empty
+    /// pipeline: nothing fed, queued or leased.
+    fn enter(&mut self, epoch: u32, base: u64, batch: usize) {
+        if epoch != self.epoch || self.plan.batches.is_empty() {
+            self.plan = self.planner.plan_epoch(u64::from(epoch));
+        }
+        self.epoch = epoch;
+        self.step_base = base;
+        let n = self.plan.batches.len();
+        self.batch_input = vec![u32::MAX; n];
+        self.checksums = vec![0; n];
+        self.next_feed = batch;
+        self.next_train = batch;
+        self.next_commit = batch;
+        self.committed_total = base + batch as u64;
+        self.queue.clear();
+        self.to_train.clear();
+        self.input_slots.fill(InSlot::Free);
+        self.feature_slots.fill(FeatSlot::Free);
+    }
+
+    /// Moves the run to plan position `cursor`, where the drafter resumed, once no worker holds a
+    /// lease. Backwards (the drafter restarted from a checkpoint): the later commits are void and
+    /// the batches are replayed. Forwards (the orchestrator died after the drafter checkpointed
+    /// batches it had not journaled yet): those batches are committed from the plan.
+    fn reposition(&mut self) -> Result<(), RunError> {
+        let Some(cursor) = self.rewind_to else {
+            return Ok(());
+        };
+        if self.workers.iter().any(|w| w.lease.is_some()) {
+            return Ok(());
+        }
+        self.rewind_to = None;
+        if cursor >= self.committed_total {
+            self.enter(self.epoch, self.step_base, self.next_commit);
+            while self.committed_total < cursor && self.stopping.is_none() {
+                let checksum = self.batch_checksum(self.next_commit);
+                self.commit(checksum)?;
+            }
+            tracing::info!(
+                "moved forward to plan position {cursor}, committed from the checkpoint"
+            );
+            return Ok(());
+        }
+        let mut base = 0;
+        let mut epoch = 0;
+        for &size in &self.epoch_sizes {
+            if cursor < base + size {
+                break;
+            }
+            base += size;
+            epoch += 1;
+        }
+        let batch = (cursor - base) as usize;
+        let voided = self.committed_total - cursor;
+        self.journal
+            .append(&Entry::Rewind {
+                to_step: cursor,
+                epoch,
+                batch: batch as u64,
+                reason: format!("the drafter resumed from its checkpoint at step {cursor}"),
+            })
+            .map_err(|e| RunError::Failed(format!("journal: {e}")))?;
+        tracing::warn!(
+            "drafter resumed at plan position {cursor}: replaying {voided} batches from epoch {epoch} batch {batch}"
+        );
+        self.epoch_sizes.truncate(epoch as usize + 1);
+        self.enter(epoch, base, batch);
+        Ok(())
+    }
+
+    /// Records a drafter's report of a micro-batch.
+    fn record(&mut self, id: BatchId, batch: usize, m: &TrainMetrics) -> Result<(), RunError> {
+        let tokens = self.plan.batches[batch].real_tokens;
+        self.metrics
+            .add(id.epoch, id.step, tokens, m)
+            .map_err(|e| RunError::Failed(format!("{}: {e}", metrics::FILE)))?;
+        Ok(())
+    }
+
+    /// Batches of the whole run (epochs not planned yet are estimated from the current one).
+    fn total_batches(&self) -> u64 {
+        let done: u64 = self.epoch_sizes.iter().take(self.epoch as usize).sum();
+        let left = u64::from(self.config.epochs.saturating_sub(self.epoch));
+        done + left * self.plan.batches.len() as u64
+    }
+
+    /// The progress line: where the run is, how training goes, how fast, how long to go.
+    pub fn progress_line(&self) -> String {
+        let elapsed = self.started.elapsed().as_secs_f64().max(1e-9);
+        let total = self.total_batches();
+        let done_session = self.committed_total.saturating_sub(self.session_start);
+        let rate = done_session as f64 / elapsed;
+        let left = total.saturating_sub(self.committed_total);
+        let eta = if rate > 0.0 {
+            let s = (left as f64 / rate) as u64;
+            format!("{}m{:02}s", s / 60, s % 60)
+        } else {
+            "-".into()
+        };
+        let mut line = format!(
+            "epoch {}/{} · batch {}/{} · {:.1} Ktok/s",
+            (self.epoch + 1).min(self.config.epochs),
+            self.config.epochs,
+            self.committed_total,
+            total,
+            self.tokens_committed as f64 / elapsed / 1000.0
+        );
+        if let Some(m) = &self.metrics.last {
+            line.push_str(&format!(
+                " · step {} · loss {:.3} · acc {:.3} · accept {:.2} · lr {:.2e}",
+                m["step"],
+                m["loss"].as_f64().unwrap_or(f64::NAN),
+                m["accuracy"].as_f64().unwrap_or(f64::NAN),
+                m["acceptance_length"].as_f64().unwrap_or(f64::NAN),
+                m["lr"].as_f64().unwrap_or(f64::NAN),
+            ));
+        }
+        line.push_str(&format!(" · ETA {eta}"));
+        line
+    }
+
+    /// Shows progress on stderr: redrawn in place on a terminal, a line every 10 s otherwise.
+    fn progress(&mut self, last: bool) {
+        use std::io::IsTerminal;
+        let tty = std::io::stderr().is_terminal();
+        let every = if tty {
+            Duration::from_millis(500)
+        } else {
+            Duration::from_secs(10)
+        };
+        if !last && self.last_progress.elapsed() < every {
+            return;
+        }
+        self.last_progress = Instant::now();
+        let line = self.progress_line();
+        if tty {
+            eprint!("\r\x1b[2K{line}{}", if last { "\n" } else { "" });
+        } else {
+            eprintln!("{line}");
         }
     }
 
@@ -888,17 +1117,34 @@ impl Run {
         }
     }
 
-    fn write_batch(&mut self, b: usize, slot: u32) {
+    /// The tokens, loss masks and sample lengths of batch `b` of the current epoch.
+    fn gather(&self, b: usize, tokens: &mut Vec<u32>, masks: &mut Vec<u8>) -> Vec<u32> {
         let batch = self.plan.batches[b];
-        let mut tokens = std::mem::take(&mut self.scratch);
         tokens.clear();
-        let mut masks = Vec::with_capacity(tokens.capacity());
+        masks.clear();
         let mut lengths = Vec::with_capacity(batch.count as usize);
         for &s in self.plan.batch_samples(&batch) {
             let len = self.planner.lengths()[s as usize];
-            self.tokens.sample(s, len, &mut tokens, &mut masks);
+            self.tokens.sample(s, len, tokens, masks);
             lengths.push(len);
         }
+        lengths
+    }
+
+    fn batch_checksum(&mut self, b: usize) -> u32 {
+        let mut tokens = std::mem::take(&mut self.scratch);
+        let lengths = self.gather(b, &mut tokens, &mut Vec::new());
+        drop(lengths);
+        let sum = dflash_common::ring::token_checksum(&tokens);
+        self.scratch = tokens;
+        sum
+    }
+
+    fn write_batch(&mut self, b: usize, slot: u32) {
+        let batch = self.plan.batches[b];
+        let mut tokens = std::mem::take(&mut self.scratch);
+        let mut masks = Vec::with_capacity(tokens.capacity());
+        let lengths = self.gather(b, &mut tokens, &mut masks);
         let layout = match self.plan.layout {
             PlanLayout::Packed => Layout::Packed,
             PlanLayout::Padded => Layout::Padded,
@@ -930,6 +1176,9 @@ impl Run {
     /// Hands work to idle workers: targets get queued batches in plan order, drafters get
     /// features in plan order.
     fn dispatch(&mut self) {
+        if self.rewind_to.is_some() {
+            return;
+        }
         for i in 0..self.workers.len() {
             let w = &self.workers[i];
             if w.state != WorkerState::Ready || w.jobs.is_none() || w.restart_when_idle {
@@ -971,9 +1220,13 @@ impl Run {
                     }
                 }
                 Role::Drafter => {
-                    let Some(&batch) = self.to_train.iter().next() else {
+                    let Some(&batch) = self.to_train.first() else {
                         continue;
                     };
+                    if batch != self.next_train {
+                        continue; // strictly in plan order
+                    }
+                    self.next_train += 1;
                     let feature = self
                         .feature_slots
                         .iter()
@@ -992,6 +1245,11 @@ impl Run {
                             generation: self.feature_generation[feature],
                         },
                         checksum: self.checksums[batch],
+                        group: Group::of(
+                            batch as u64,
+                            self.plan.batches.len() as u64,
+                            self.config.planner.accum,
+                        ),
                     }
                 }
             };
@@ -1023,6 +1281,7 @@ impl Run {
             Some(Lease::Train { batch, feature }) => {
                 self.feature_slots[feature as usize] = FeatSlot::Ready(batch);
                 self.to_train.insert(batch);
+                self.next_train = self.next_train.min(batch);
             }
             None => {}
         }
@@ -1259,6 +1518,8 @@ impl Run {
                 "uptime_s": uptime,
                 "tokens_per_s": self.tokens_committed as f64 / uptime.max(1e-9),
                 "stage": self.config.stage,
+                "progress": self.progress_line(),
+                "training": self.metrics.last,
             },
             "workers": workers,
         })

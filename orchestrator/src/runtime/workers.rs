@@ -24,6 +24,8 @@ pub struct Launch {
     pub synthetic_us_per_token: f64,
     pub heartbeat_ms: u64,
     pub log_dir: PathBuf,
+    /// The DFlash settings file (`--stage dflash`).
+    pub dflash_config: Option<PathBuf>,
 }
 
 /// A started worker process.
@@ -100,6 +102,12 @@ pub fn spawn(
         .arg("--feature-ring")
         .arg(&launch.feature_ring)
         .args(["--heartbeat-ms", &launch.heartbeat_ms.to_string()])
+        .args(
+            launch
+                .dflash_config
+                .iter()
+                .flat_map(|p| [std::ffi::OsStr::new("--dflash-config"), p.as_os_str()]),
+        )
         .env(
             "CUDA_VISIBLE_DEVICES",
             match device {

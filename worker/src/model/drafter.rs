@@ -33,6 +33,16 @@ pub struct DrafterConfig {
     pub vocab: usize,
 }
 
+/// One sequence's loss before averaging.
+pub struct LossParts {
+    /// Weighted sum of the cross-entropies (a scalar with gradients).
+    pub sum: Tensor,
+    /// Sum of the weights.
+    pub weight: f64,
+    /// Per block position: (correct, counted) predictions.
+    pub accuracy: Vec<(u32, u32)>,
+}
+
 /// A trainable tensor with its checkpoint name.
 pub struct Param {
     pub name: String,
@@ -177,16 +187,8 @@ impl Drafter {
             .as_tensor()
     }
 
-    /// The training loss of one sequence.
-    ///
-    /// - `features`: `[seq, n·hidden]`, the target's hidden states at `target_layer_ids`,
-    ///   concatenated in that order;
-    /// - `tokens`, `loss_mask`: the sequence (`loss_mask` 0/1);
-    /// - `anchors`: block starts (each with `loss_mask` set);
-    /// - `embedding`, `lm_head`: the target's frozen `[vocab, hidden]` matrices.
-    ///
-    /// Returns the weighted mean cross-entropy and, per block position, (correct, counted)
-    /// predictions.
+    /// The training loss of one sequence: the weighted mean cross-entropy and, per block
+    /// position, (correct, counted) predictions. See [`Drafter::loss_parts`] for the arguments.
     #[expect(
         clippy::too_many_arguments,
         reason = "one sequence's inputs, each a different thing"
@@ -201,6 +203,36 @@ impl Drafter {
         lm_head: &Tensor,
         gamma: Option<f64>,
     ) -> candle_core::Result<(Tensor, Vec<(u32, u32)>)> {
+        let parts = self.loss_parts(
+            features, tokens, loss_mask, anchors, embedding, lm_head, gamma,
+        )?;
+        Ok(((parts.sum / parts.weight.max(1e-9))?, parts.accuracy))
+    }
+
+    /// The parts of one sequence's loss, so that a batch can average over all its positions.
+    ///
+    /// - `features`: `[seq, n·hidden]`, the target's hidden states at `target_layer_ids`,
+    ///   concatenated in that order;
+    /// - `tokens`, `loss_mask`: the sequence (`loss_mask` 0/1);
+    /// - `anchors`: block starts (each with `loss_mask` set);
+    /// - `embedding`, `lm_head`: the target's frozen `[vocab, hidden]` matrices.
+    ///
+    /// Returns the weighted sum of cross-entropies, the sum of the weights, and per block
+    /// position (correct, counted) predictions.
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "one sequence's inputs, each a different thing"
+    )]
+    pub fn loss_parts(
+        &self,
+        features: &Tensor,
+        tokens: &[u32],
+        loss_mask: &[u8],
+        anchors: &[usize],
+        embedding: &Tensor,
+        lm_head: &Tensor,
+        gamma: Option<f64>,
+    ) -> candle_core::Result<LossParts> {
         let c = &self.config;
         let dev = features.device();
         let (s, a, b) = (tokens.len(), anchors.len(), c.block_size);
@@ -351,7 +383,7 @@ impl Drafter {
         let picked = log_probs.gather(&targets_t.unsqueeze(1)?, 1)?.squeeze(1)?;
         let total: f32 = weights.iter().sum();
         let w_t = Tensor::from_vec(weights.clone(), a * b, dev)?;
-        let loss = (picked.mul(&w_t)?.sum_all()?.neg()? / f64::from(total.max(1e-9)))?;
+        let sum = picked.mul(&w_t)?.sum_all()?.neg()?;
         // Accuracy per block position.
         let predicted = logits.argmax(D::Minus1)?.to_vec1::<u32>()?;
         let mut acc = vec![(0u32, 0u32); b];
@@ -361,7 +393,11 @@ impl Drafter {
                 acc[i % b].0 += u32::from(p == t);
             }
         }
-        Ok((loss, acc))
+        Ok(LossParts {
+            sum,
+            weight: f64::from(total),
+            accuracy: acc,
+        })
     }
 }
 

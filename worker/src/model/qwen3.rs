@@ -12,40 +12,10 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Embedding, Linear, RmsNorm, VarBuilder};
-use serde::Deserialize;
 
 use super::rotate_half;
 
-/// `config.json` fields the target needs.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-pub struct Qwen3Config {
-    #[serde(default)]
-    pub architectures: Vec<String>,
-    pub vocab_size: usize,
-    pub hidden_size: usize,
-    pub intermediate_size: usize,
-    pub num_hidden_layers: usize,
-    pub num_attention_heads: usize,
-    pub num_key_value_heads: usize,
-    #[serde(default)]
-    pub head_dim: Option<usize>,
-    pub rms_norm_eps: f64,
-    #[serde(default = "default_rope_theta")]
-    pub rope_theta: f64,
-    #[serde(default)]
-    pub tie_word_embeddings: bool,
-}
-
-fn default_rope_theta() -> f64 {
-    10_000.0
-}
-
-impl Qwen3Config {
-    pub fn head_dim(&self) -> usize {
-        self.head_dim
-            .unwrap_or(self.hidden_size / self.num_attention_heads)
-    }
-}
+pub use dflash_common::dflash::Qwen3Config;
 
 /// A model directory that cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -63,68 +33,23 @@ fn invalid(path: &Path, reason: impl Into<String>) -> ModelError {
     }
 }
 
+impl From<dflash_common::dflash::ModelDirError> for ModelError {
+    fn from(e: dflash_common::dflash::ModelDirError) -> Self {
+        ModelError::Invalid {
+            path: e.path,
+            reason: e.reason,
+        }
+    }
+}
+
 /// Reads and checks `config.json` of a Qwen3 model directory.
 pub fn read_config(dir: &Path) -> Result<Qwen3Config, ModelError> {
-    let path = dir.join("config.json");
-    let text = std::fs::read(&path).map_err(|e| invalid(&path, format!("cannot read: {e}")))?;
-    let config: Qwen3Config = serde_json::from_slice(&text)
-        .map_err(|e| invalid(&path, format!("not a Qwen3 config: {e}")))?;
-    if !config.architectures.iter().any(|a| a == "Qwen3ForCausalLM") {
-        return Err(invalid(
-            &path,
-            format!(
-                "unsupported architecture {:?} (this build runs Qwen3ForCausalLM)",
-                config.architectures
-            ),
-        ));
-    }
-    if config.num_attention_heads == 0
-        || config.num_key_value_heads == 0
-        || !config
-            .num_attention_heads
-            .is_multiple_of(config.num_key_value_heads)
-    {
-        return Err(invalid(
-            &path,
-            "attention heads must be a multiple of key/value heads",
-        ));
-    }
-    Ok(config)
+    Ok(dflash_common::dflash::read_config(dir)?)
 }
 
 /// The safetensors files of a model directory.
 pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, ModelError> {
-    let single = dir.join("model.safetensors");
-    if single.is_file() {
-        return Ok(vec![single]);
-    }
-    let index = dir.join("model.safetensors.index.json");
-    let text = std::fs::read(&index).map_err(|_| {
-        invalid(
-            dir,
-            "has neither model.safetensors nor model.safetensors.index.json",
-        )
-    })?;
-    #[derive(Deserialize)]
-    struct Index {
-        weight_map: std::collections::BTreeMap<String, String>,
-    }
-    let index_data: Index =
-        serde_json::from_slice(&text).map_err(|e| invalid(&index, format!("bad index: {e}")))?;
-    let mut files: Vec<String> = index_data.weight_map.into_values().collect();
-    files.sort();
-    files.dedup();
-    files
-        .into_iter()
-        .map(|f| {
-            let p = dir.join(&f);
-            if Path::new(&f).components().count() != 1 || !p.is_file() {
-                Err(invalid(&index, format!("shard {f:?} is missing")))
-            } else {
-                Ok(p)
-            }
-        })
-        .collect()
+    Ok(dflash_common::dflash::weight_files(dir)?)
 }
 
 struct Attention {
@@ -357,4 +282,26 @@ impl Attention {
         let merged = attn.transpose(1, 2)?.reshape((b, s, self.heads * d))?;
         self.o.forward(&merged)
     }
+}
+
+/// The target's frozen embedding and output head (`[vocab, hidden]` each; the embedding twice
+/// when the model ties them), for the drafter.
+pub fn load_heads(dir: &Path, device: &Device) -> Result<(Tensor, Tensor), ModelError> {
+    let config = read_config(dir)?;
+    let files = weight_files(dir)?;
+    // SAFETY: the weight files are read-only inputs, not modified while the tensors live.
+    let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, DType::F32, device) }
+        .map_err(|e| invalid(dir, format!("cannot map the weights: {e}")))?;
+    let shape = (config.vocab_size, config.hidden_size);
+    let missing =
+        |e: candle_core::Error| invalid(dir, format!("weights do not match config.json: {e}"));
+    let embedding = vb
+        .get(shape, "model.embed_tokens.weight")
+        .map_err(missing)?;
+    let lm_head = if config.tie_word_embeddings {
+        embedding.clone()
+    } else {
+        vb.get(shape, "lm_head.weight").map_err(missing)?
+    };
+    Ok((embedding, lm_head))
 }

@@ -1,0 +1,450 @@
+//! The DFlash stage's settings (chosen at launch, kept in the journal, handed to every worker) and
+//! the checks of a target model directory that both sides make: the orchestrator before any worker
+//! starts, the workers when they load it.
+
+use std::collections::BTreeMap;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+/// Everything the DFlash workers need to know about the run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DflashSettings {
+    /// The target's Hugging Face directory.
+    pub target_model: PathBuf,
+    /// Target layers whose outputs feed the drafter (layer id k is hidden state k + 1).
+    pub target_layer_ids: Vec<usize>,
+    pub draft_layers: usize,
+    pub block_size: usize,
+    /// Blocks per sequence (fewer where the sequence has fewer loss positions).
+    pub num_anchors: usize,
+    pub mask_token_id: u32,
+    pub lr: f64,
+    pub warmup_ratio: f64,
+    pub clip: f64,
+    /// Loss decay over block positions, `exp(-(k - 1) / gamma)`; none: uniform.
+    pub gamma: Option<f64>,
+    pub weight_decay: f64,
+    /// Seed of the drafter's initial weights and of every step's anchors.
+    pub seed: u64,
+    /// Checkpoint every this many optimiser steps (and at the end).
+    pub save_every: u64,
+    pub keep_checkpoints: usize,
+    /// Optimiser steps of the whole run (the schedule's length), computed from the plans.
+    pub total_steps: u64,
+    /// The largest batch in tokens (sizes the feature slots).
+    pub token_budget: u64,
+    pub checkpoint_dir: PathBuf,
+}
+
+/// `config.json` fields of a Qwen3 target.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct Qwen3Config {
+    #[serde(default)]
+    pub architectures: Vec<String>,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    #[serde(default)]
+    pub head_dim: Option<usize>,
+    pub rms_norm_eps: f64,
+    #[serde(default = "default_rope_theta")]
+    pub rope_theta: f64,
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+}
+
+fn default_rope_theta() -> f64 {
+    10_000.0
+}
+
+impl Qwen3Config {
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+            .unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
+    }
+}
+
+/// A model directory that cannot be used, with the file at fault.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{path}: {reason}")]
+pub struct ModelDirError {
+    pub path: PathBuf,
+    pub reason: String,
+}
+
+fn invalid(path: &Path, reason: impl Into<String>) -> ModelDirError {
+    ModelDirError {
+        path: path.to_path_buf(),
+        reason: reason.into(),
+    }
+}
+
+/// Reads and checks `config.json` of a Qwen3 model directory.
+pub fn read_config(dir: &Path) -> Result<Qwen3Config, ModelDirError> {
+    let path = dir.join("config.json");
+    let text = std::fs::read(&path).map_err(|e| invalid(&path, format!("cannot read: {e}")))?;
+    let config: Qwen3Config = serde_json::from_slice(&text)
+        .map_err(|e| invalid(&path, format!("not a Qwen3 config: {e}")))?;
+    if !config.architectures.iter().any(|a| a == "Qwen3ForCausalLM") {
+        return Err(invalid(
+            &path,
+            format!(
+                "unsupported architecture {:?} (this build runs Qwen3ForCausalLM)",
+                config.architectures
+            ),
+        ));
+    }
+    if config.num_attention_heads == 0
+        || config.num_key_value_heads == 0
+        || !config
+            .num_attention_heads
+            .is_multiple_of(config.num_key_value_heads)
+    {
+        return Err(invalid(
+            &path,
+            "attention heads must be a multiple of key/value heads",
+        ));
+    }
+    if config.vocab_size == 0
+        || config.hidden_size == 0
+        || config.num_hidden_layers == 0
+        || config.intermediate_size == 0
+        || !config.head_dim().is_multiple_of(2)
+        || config.head_dim() == 0
+    {
+        return Err(invalid(
+            &path,
+            "vocab_size, hidden_size, intermediate_size and num_hidden_layers must be positive and head_dim even",
+        ));
+    }
+    Ok(config)
+}
+
+/// The safetensors files of a model directory.
+pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, ModelDirError> {
+    let single = dir.join("model.safetensors");
+    if single.is_file() {
+        return Ok(vec![single]);
+    }
+    let index = dir.join("model.safetensors.index.json");
+    let text = std::fs::read(&index).map_err(|_| {
+        invalid(
+            dir,
+            "has neither model.safetensors nor model.safetensors.index.json",
+        )
+    })?;
+    #[derive(Deserialize)]
+    struct Index {
+        weight_map: BTreeMap<String, String>,
+    }
+    let index_data: Index =
+        serde_json::from_slice(&text).map_err(|e| invalid(&index, format!("bad index: {e}")))?;
+    let mut files: Vec<String> = index_data.weight_map.into_values().collect();
+    files.sort();
+    files.dedup();
+    files
+        .into_iter()
+        .map(|f| {
+            let p = dir.join(&f);
+            if Path::new(&f).components().count() != 1 || !p.is_file() {
+                Err(invalid(&index, format!("shard {f:?} is missing")))
+            } else {
+                Ok(p)
+            }
+        })
+        .collect()
+}
+
+/// Reads the tensor table (name -> shape) of a safetensors file without reading its data, and
+/// checks that the data the table describes is all there.
+pub fn tensor_shapes(path: &Path) -> Result<BTreeMap<String, Vec<usize>>, ModelDirError> {
+    let mut file =
+        std::fs::File::open(path).map_err(|e| invalid(path, format!("cannot open: {e}")))?;
+    let size = file.metadata().map(|m| m.len()).unwrap_or(0);
+    let mut head = [0u8; 8];
+    file.read_exact(&mut head)
+        .map_err(|_| invalid(path, "not a safetensors file (shorter than its header)"))?;
+    let n = u64::from_le_bytes(head);
+    if n > 100_000_000 || n + 8 > size {
+        return Err(invalid(
+            path,
+            format!("not a safetensors file (header of {n} bytes in a file of {size})"),
+        ));
+    }
+    let mut header = vec![0u8; n as usize];
+    file.read_exact(&mut header)
+        .map_err(|e| invalid(path, format!("cannot read the header: {e}")))?;
+    #[derive(Deserialize)]
+    struct Entry {
+        dtype: String,
+        shape: Vec<usize>,
+        data_offsets: (u64, u64),
+    }
+    let table: BTreeMap<String, serde_json::Value> = serde_json::from_slice(&header)
+        .map_err(|e| invalid(path, format!("bad safetensors header: {e}")))?;
+    let mut shapes = BTreeMap::new();
+    for (name, value) in table {
+        if name == "__metadata__" {
+            continue;
+        }
+        let entry: Entry = serde_json::from_value(value)
+            .map_err(|e| invalid(path, format!("tensor {name}: {e}")))?;
+        let width = match entry.dtype.as_str() {
+            "F32" => 4,
+            "F16" | "BF16" => 2,
+            other => {
+                return Err(invalid(
+                    path,
+                    format!("tensor {name} has dtype {other} (F32, F16 or BF16 expected)"),
+                ));
+            }
+        };
+        let elements = entry
+            .shape
+            .iter()
+            .try_fold(1u64, |acc, &d| acc.checked_mul(d as u64));
+        let (from, to) = entry.data_offsets;
+        if elements.and_then(|e| e.checked_mul(width)) != to.checked_sub(from) || to > size - 8 - n
+        {
+            return Err(invalid(
+                path,
+                format!(
+                    "tensor {name}: its data is missing or does not match its shape (file truncated?)"
+                ),
+            ));
+        }
+        shapes.insert(name, entry.shape);
+    }
+    Ok(shapes)
+}
+
+/// Checks that the weights in `dir` hold every tensor a run needs, with the shapes `config`
+/// implies: the embedding, the output head (unless tied), and the decoder layers up to `layers`.
+pub fn check_weights(dir: &Path, config: &Qwen3Config, layers: usize) -> Result<(), ModelDirError> {
+    let mut shapes = BTreeMap::new();
+    for file in weight_files(dir)? {
+        shapes.append(&mut tensor_shapes(&file)?);
+    }
+    let c = config;
+    let (h, hd) = (c.hidden_size, c.head_dim());
+    let (q, kv) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
+    let mut wanted: Vec<(String, Vec<usize>)> =
+        vec![("model.embed_tokens.weight".into(), vec![c.vocab_size, h])];
+    if !c.tie_word_embeddings {
+        wanted.push(("lm_head.weight".into(), vec![c.vocab_size, h]));
+    }
+    for i in 0..layers.min(c.num_hidden_layers) {
+        let p = format!("model.layers.{i}");
+        wanted.extend([
+            (format!("{p}.input_layernorm.weight"), vec![h]),
+            (format!("{p}.self_attn.q_proj.weight"), vec![q, h]),
+            (format!("{p}.self_attn.k_proj.weight"), vec![kv, h]),
+            (format!("{p}.self_attn.v_proj.weight"), vec![kv, h]),
+            (format!("{p}.self_attn.o_proj.weight"), vec![h, q]),
+            (format!("{p}.self_attn.q_norm.weight"), vec![hd]),
+            (format!("{p}.self_attn.k_norm.weight"), vec![hd]),
+            (format!("{p}.post_attention_layernorm.weight"), vec![h]),
+            (
+                format!("{p}.mlp.gate_proj.weight"),
+                vec![c.intermediate_size, h],
+            ),
+            (
+                format!("{p}.mlp.up_proj.weight"),
+                vec![c.intermediate_size, h],
+            ),
+            (
+                format!("{p}.mlp.down_proj.weight"),
+                vec![h, c.intermediate_size],
+            ),
+        ]);
+    }
+    for (name, shape) in wanted {
+        match shapes.get(&name) {
+            None => {
+                return Err(invalid(
+                    dir,
+                    format!(
+                        "the weights have no {name} (config.json says Qwen3 with {} layers)",
+                        c.num_hidden_layers
+                    ),
+                ));
+            }
+            Some(found) if *found != shape => {
+                return Err(invalid(
+                    dir,
+                    format!("{name} has shape {found:?}, config.json implies {shape:?}"),
+                ));
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(())
+}
+
+/// The default `target_layer_ids` for `draft_layers` drafter layers on a target of
+/// `target_layers`: one layer id per drafter layer, spread evenly from layer 1 to layer L - 3 (the
+/// published DFlash drafters' choice), the middle layer for one; on targets too small for that,
+/// spread evenly over all layers.
+pub fn default_target_layer_ids(target_layers: usize, draft_layers: usize) -> Vec<usize> {
+    let n = draft_layers.clamp(1, target_layers.max(1));
+    let spread = |start: usize, end: usize| -> Vec<usize> {
+        if n == 1 {
+            return vec![(start + end).div_ceil(2)];
+        }
+        (0..n)
+            .map(|i| (start as f64 + (i * (end - start)) as f64 / (n - 1) as f64).round() as usize)
+            .collect()
+    };
+    if draft_layers <= 1 {
+        return vec![target_layers / 2];
+    }
+    let ids = if target_layers >= 4 {
+        spread(1, target_layers - 3)
+    } else {
+        Vec::new()
+    };
+    if !ids.is_empty() && ids.windows(2).all(|w| w[0] < w[1]) {
+        return ids;
+    }
+    spread(0, target_layers.saturating_sub(1))
+}
+
+impl DflashSettings {
+    /// Checks the settings against the target's configuration.
+    pub fn check(&self, target: &Qwen3Config) -> Result<(), String> {
+        let layers = target.num_hidden_layers;
+        if self.target_layer_ids.is_empty() {
+            return Err("--target-layer-ids needs at least one layer".into());
+        }
+        if let Some(&bad) = self.target_layer_ids.iter().find(|&&l| l >= layers) {
+            return Err(format!(
+                "--target-layer-ids: layer {bad} is beyond the target's {layers} layers (0..={})",
+                layers - 1
+            ));
+        }
+        let mut sorted = self.target_layer_ids.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        if sorted.len() != self.target_layer_ids.len() {
+            return Err(format!(
+                "--target-layer-ids {:?} names a layer twice",
+                self.target_layer_ids
+            ));
+        }
+        if self.mask_token_id as usize >= target.vocab_size {
+            return Err(format!(
+                "--mask-token-id {} is outside the target's vocabulary (0..{})",
+                self.mask_token_id, target.vocab_size
+            ));
+        }
+        if self.block_size < 2 {
+            return Err("--block-size must be at least 2".into());
+        }
+        if self.draft_layers == 0 {
+            return Err("--draft-layers must be at least 1".into());
+        }
+        if self.num_anchors == 0 {
+            return Err("--num-anchors must be at least 1".into());
+        }
+        if !(self.lr > 0.0 && self.lr.is_finite()) {
+            return Err("--lr must be positive".into());
+        }
+        if !(0.0..1.0).contains(&self.warmup_ratio) {
+            return Err("--warmup-ratio must be in [0, 1)".into());
+        }
+        if !(self.clip > 0.0 && self.clip.is_finite()) {
+            return Err("--clip must be positive".into());
+        }
+        if self.gamma.is_some_and(|g| !(g > 0.0 && g.is_finite())) {
+            return Err("--gamma must be positive".into());
+        }
+        if self.save_every == 0 || self.keep_checkpoints == 0 {
+            return Err("--save-every and --keep-checkpoints must be at least 1".into());
+        }
+        Ok(())
+    }
+
+    /// Width of a token's features: the hidden states of every target layer id, concatenated.
+    pub fn feature_width(&self, target: &Qwen3Config) -> u64 {
+        (self.target_layer_ids.len() * target.hidden_size) as u64
+    }
+
+    /// Decoder layers a target worker runs (up to the last requested one).
+    pub fn target_layers_needed(&self) -> usize {
+        self.target_layer_ids.iter().max().map_or(0, |&l| l + 1)
+    }
+
+    /// Warmup steps of the schedule.
+    pub fn warmup_steps(&self) -> u64 {
+        (self.warmup_ratio * self.total_steps as f64).round() as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_layer_ids_are_spread_and_distinct() {
+        // 36-layer target, 5 drafter layers: 1 to 33.
+        assert_eq!(default_target_layer_ids(36, 5), vec![1, 9, 17, 25, 33]);
+        assert_eq!(default_target_layer_ids(36, 1), vec![18]);
+        assert_eq!(default_target_layer_ids(4, 2), vec![0, 3]);
+        assert_eq!(default_target_layer_ids(4, 3), vec![0, 2, 3]);
+        assert_eq!(default_target_layer_ids(2, 5), vec![0, 1]);
+        for l in 1..40 {
+            for d in 1..8 {
+                let ids = default_target_layer_ids(l, d);
+                assert!(
+                    !ids.is_empty() && ids.iter().all(|&i| i < l),
+                    "{l} {d} {ids:?}"
+                );
+                assert!(ids.windows(2).all(|w| w[0] < w[1]), "{l} {d} {ids:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn bad_safetensors_headers_are_named() {
+        let dir = std::env::temp_dir().join(format!("dflash-st-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("x.safetensors");
+        for (bytes, want) in [
+            (b"abc".to_vec(), "shorter than its header"),
+            (
+                [&u64::MAX.to_le_bytes()[..], b"{}"].concat(),
+                "not a safetensors file",
+            ),
+            (
+                [&2u64.to_le_bytes()[..], b"[]"].concat(),
+                "bad safetensors header",
+            ),
+            (
+                [
+                    &54u64.to_le_bytes()[..],
+                    br#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#,
+                ]
+                .concat(),
+                "file truncated",
+            ),
+        ] {
+            std::fs::write(&p, &bytes).unwrap();
+            let e = tensor_shapes(&p).unwrap_err().to_string();
+            assert!(e.contains(want), "{e}");
+        }
+        let good = [
+            &54u64.to_le_bytes()[..],
+            br#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#,
+            &[0u8; 8],
+        ]
+        .concat();
+        std::fs::write(&p, &good).unwrap();
+        assert_eq!(tensor_shapes(&p).unwrap()["a"], vec![2]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,569 @@
+//! The DFlash stages. A target worker runs the frozen target over each batch and writes, per real
+//! token, the hidden states of `target_layer_ids` (concatenated) into its feature slot, after the
+//! batch's tokens and loss masks. The drafter worker trains the DFlash drafter on them, one
+//! micro-batch per job in plan order, steps the optimiser at the end of each accumulation group,
+//! and checkpoints in the background; it starts from the latest checkpoint of the run, if any.
+//!
+//! Every random choice of a step (the anchors) is derived from (seed, step, sequence), and the
+//! initial weights from the seed, so replaying the plan from a checkpoint gives the same weights.
+
+use std::path::Path;
+use std::time::Instant;
+
+use candle_core::{Device, Tensor};
+use dflash_common::dflash::DflashSettings;
+use dflash_common::ring::{
+    Layout, Ring, features_offset, read_lengths, read_masks, read_tokens, token_checksum,
+    write_batch,
+};
+use dflash_common::wire::{BatchId, Group, SlotRef, TrainMetrics, Update};
+
+use crate::checkpoint::{self, TrainingState};
+use crate::model::drafter::{Drafter, DrafterConfig};
+use crate::model::qwen3::{self, Qwen3};
+use crate::stage::{Stage, check_assigned, check_written};
+use crate::train::{Accumulator, AdamW, AdamWConfig, Schedule, clip_grad_norm};
+
+/// Reads the run's DFlash settings (written by the orchestrator).
+pub fn read_settings(path: &Path) -> Result<DflashSettings, String> {
+    let text = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    serde_json::from_slice(&text).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// The compute device: the GPU of `CUDA_VISIBLE_DEVICES` when the orchestrator gave one, else
+/// the CPU. A GPU worker never falls back to the CPU silently.
+pub fn device() -> Result<Device, String> {
+    device_for(std::env::var("CUDA_VISIBLE_DEVICES").ok().as_deref())
+}
+
+/// The device for a `CUDA_VISIBLE_DEVICES` value.
+pub fn device_for(visible: Option<&str>) -> Result<Device, String> {
+    let gpu = visible.is_some_and(|v| !v.trim().is_empty());
+    if !gpu {
+        return Ok(Device::Cpu);
+    }
+    if !candle_core::utils::cuda_is_available() {
+        return Err(
+            "this worker was given a GPU, but dflash-worker was built without CUDA: rebuild with `cargo build --release --features cuda`, or run on CPU workers with --gpus cpu:N"
+                .into(),
+        );
+    }
+    // The CUDA driver library may be missing at run time; some of its loaders panic then.
+    match std::panic::catch_unwind(|| Device::new_cuda(0)) {
+        Ok(Ok(device)) => Ok(device),
+        Ok(Err(e)) => Err(format!("cannot open the GPU: {e}")),
+        Err(_) => Err("cannot open the GPU: the CUDA driver library failed to load".into()),
+    }
+}
+
+fn err(e: impl std::fmt::Display) -> String {
+    e.to_string()
+}
+
+/// The target stage: frozen forward pass, hidden states out.
+pub struct TargetStage {
+    model: Qwen3,
+    /// Hidden-state indices (layer id + 1).
+    indices: Vec<usize>,
+    budget: u64,
+    device: Device,
+}
+
+impl TargetStage {
+    pub fn new(settings: &DflashSettings, device: &Device) -> Result<Self, String> {
+        let model = Qwen3::load(
+            &settings.target_model,
+            Some(settings.target_layers_needed()),
+            device,
+        )
+        .map_err(err)?;
+        settings.check(&model.config)?;
+        Ok(Self {
+            model,
+            indices: settings.target_layer_ids.iter().map(|l| l + 1).collect(),
+            budget: settings.token_budget,
+            device: device.clone(),
+        })
+    }
+
+    /// Features `[tokens, n·hidden]` of the real tokens of a batch, in sample order. Padded
+    /// batches run as rows; packed ones as one row with attention confined to each sequence.
+    fn features(&self, layout: u32, lengths: &[u32], tokens: &[u32]) -> Result<Tensor, String> {
+        let (rows, width) = if layout == Layout::Padded as u32 {
+            (
+                lengths.len(),
+                lengths.iter().copied().max().unwrap_or(0) as usize,
+            )
+        } else {
+            (1, tokens.len())
+        };
+        let mut ids = vec![0u32; rows * width];
+        let mut positions = vec![0u32; rows * width];
+        // Padding gets a segment of its own, so no real token sees it.
+        let mut segments = vec![u32::MAX; rows * width];
+        let mut at = 0;
+        for (i, &len) in lengths.iter().enumerate() {
+            let len = len as usize;
+            let (row, col) = if rows == 1 { (0, at) } else { (i, 0) };
+            for p in 0..len {
+                let k = row * width + col + p;
+                ids[k] = tokens[at + p];
+                positions[k] = p as u32;
+                segments[k] = i as u32;
+            }
+            at += len;
+        }
+        let t = |v: Vec<u32>| Tensor::from_vec(v, (rows, width), &self.device).map_err(err);
+        let states = self
+            .model
+            .hidden_states(&t(ids)?, &t(positions)?, &t(segments)?, &self.indices)
+            .map_err(err)?;
+        let all = Tensor::cat(&states, 2).map_err(err)?;
+        if rows == 1 {
+            return all.squeeze(0).map_err(err);
+        }
+        let pieces = lengths
+            .iter()
+            .enumerate()
+            .map(|(i, &len)| all.get(i)?.narrow(0, 0, len as usize))
+            .collect::<candle_core::Result<Vec<_>>>()
+            .map_err(err)?;
+        Tensor::cat(&pieces, 0).map_err(err)
+    }
+}
+
+impl Stage for TargetStage {
+    fn forward(
+        &mut self,
+        input: &Ring,
+        at: SlotRef,
+        features: &mut Ring,
+        out: SlotRef,
+    ) -> Result<(), String> {
+        let meta = input
+            .check(at.slot, at.generation)
+            .map_err(|e| e.to_string())?;
+        check_assigned(features, out)?;
+        let data = input.data(at.slot);
+        let lengths = read_lengths(data, &meta)?;
+        let mut tokens = Vec::with_capacity(meta.tokens as usize);
+        read_tokens(data, &meta, &mut tokens)?;
+        let masks = read_masks(data, &meta)?.to_vec();
+        let vocab = self.model.config.vocab_size as u32;
+        if let Some(bad) = tokens.iter().find(|&&t| t >= vocab) {
+            return Err(format!(
+                "token id {bad} is outside the target's vocabulary ({vocab})"
+            ));
+        }
+        let values: Vec<f32> = self
+            .features(meta.layout, &lengths, &tokens)?
+            .to_device(&Device::Cpu)
+            .and_then(|t| t.flatten_all())
+            .and_then(|t| t.to_vec1::<f32>())
+            .map_err(err)?;
+        let slot = features.data_mut(out.slot);
+        let from = features_offset(self.budget);
+        let bytes: &[u8] = bytemuck::cast_slice(&values);
+        let dst = slot
+            .get_mut(from..from + bytes.len())
+            .ok_or_else(|| format!("{} features do not fit the feature slot", values.len()))?;
+        dst.copy_from_slice(bytes);
+        let written = write_batch(
+            slot,
+            Layout::Packed,
+            &lengths,
+            &tokens,
+            &masks,
+            meta.max_len,
+            self.budget,
+        );
+        features.mark_written(out.slot, out.generation, written);
+        Ok(())
+    }
+
+    fn train(
+        &mut self,
+        _: &Ring,
+        _: SlotRef,
+        _: BatchId,
+        _: u32,
+        _: Group,
+    ) -> Result<(u32, Option<TrainMetrics>), String> {
+        Err("a target worker got a training job".into())
+    }
+}
+
+/// A SplitMix64 stream for the anchors of one sequence of one step.
+struct StepRng(u64);
+
+impl StepRng {
+    fn new(seed: u64, step: u64, sequence: u64) -> Self {
+        let mut r = StepRng(seed ^ 0xD1F1_A5B0_0000_0000);
+        for word in [step, sequence] {
+            r.0 ^= word;
+            r.0 = r.next();
+        }
+        r
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `0..n` (n > 0), by rejection (no modulo bias).
+    fn below(&mut self, n: u64) -> u64 {
+        let zone = u64::MAX - u64::MAX % n;
+        loop {
+            let x = self.next();
+            if x < zone {
+                return x % n;
+            }
+        }
+    }
+}
+
+/// Up to `count` anchors of a sequence, sorted: distinct positions whose loss mask is set and
+/// that have a next token to predict, drawn from (seed, step, sequence).
+pub fn sample_anchors(
+    mask: &[u8],
+    count: usize,
+    seed: u64,
+    step: u64,
+    sequence: u64,
+) -> Vec<usize> {
+    let mut eligible: Vec<usize> = (0..mask.len().saturating_sub(1))
+        .filter(|&p| mask[p] != 0)
+        .collect();
+    let take = count.min(eligible.len());
+    let mut rng = StepRng::new(seed, step, sequence);
+    for i in 0..take {
+        let j = i + rng.below((eligible.len() - i) as u64) as usize;
+        eligible.swap(i, j);
+    }
+    eligible.truncate(take);
+    eligible.sort_unstable();
+    eligible
+}
+
+/// The drafter stage: trains on features in plan order and checkpoints.
+pub struct DrafterStage {
+    settings: DflashSettings,
+    drafter: Drafter,
+    opt: AdamW,
+    accum: Accumulator,
+    schedule: Schedule,
+    embedding: Tensor,
+    lm_head: Tensor,
+    writer: Option<checkpoint::Writer>,
+    hf_config: serde_json::Value,
+    device: Device,
+    width: usize,
+    /// Optimiser steps taken.
+    step: u64,
+    /// Batches of the run in the weights (the plan position after the last update).
+    cursor: u64,
+    epoch: u32,
+    saved_step: u64,
+    resumed_step: u64,
+    group_loss: f64,
+}
+
+impl DrafterStage {
+    pub fn new(settings: &DflashSettings, device: &Device) -> Result<Self, String> {
+        let target = qwen3::read_config(&settings.target_model).map_err(err)?;
+        settings.check(&target)?;
+        let (embedding, lm_head) =
+            qwen3::load_heads(&settings.target_model, device).map_err(err)?;
+        let config = DrafterConfig {
+            hidden: target.hidden_size,
+            intermediate: target.intermediate_size,
+            layers: settings.draft_layers,
+            heads: target.num_attention_heads,
+            kv_heads: target.num_key_value_heads,
+            head_dim: target.head_dim(),
+            rms_eps: target.rms_norm_eps,
+            rope_theta: target.rope_theta,
+            block_size: settings.block_size,
+            mask_token_id: settings.mask_token_id,
+            target_layer_ids: settings.target_layer_ids.clone(),
+            vocab: target.vocab_size,
+        };
+        let drafter = Drafter::new(config, settings.seed, device).map_err(err)?;
+        let vars = drafter.params.iter().map(|p| p.var.clone()).collect();
+        let mut opt = AdamW::new(
+            vars,
+            AdamWConfig {
+                weight_decay: settings.weight_decay,
+                ..AdamWConfig::default()
+            },
+        )
+        .map_err(err)?;
+        let (mut step, mut cursor, mut epoch) = (0, 0, 0);
+        let root = &settings.checkpoint_dir;
+        if let Some(snapshot) = checkpoint::load_latest(root).map_err(|e| {
+            format!(
+                "cannot read the latest checkpoint in {}: {e}",
+                root.display()
+            )
+        })? {
+            checkpoint::restore(&snapshot, &drafter, &mut opt, device).map_err(|e| {
+                format!(
+                    "the latest checkpoint in {} does not fit this drafter: {e}",
+                    root.display()
+                )
+            })?;
+            step = snapshot.state.step;
+            cursor = snapshot.state.plan_cursor;
+            epoch = snapshot.state.epoch;
+        }
+        let hf_config = checkpoint::hf_config(&drafter, target.num_hidden_layers);
+        let writer = checkpoint::Writer::start(root.clone(), settings.keep_checkpoints)
+            .map_err(|e| format!("cannot start the checkpoint writer: {e}"))?;
+        Ok(Self {
+            schedule: Schedule {
+                peak: settings.lr,
+                warmup: settings.warmup_steps(),
+                total: settings.total_steps,
+            },
+            width: settings.target_layer_ids.len() * target.hidden_size,
+            settings: settings.clone(),
+            drafter,
+            opt,
+            accum: Accumulator::default(),
+            embedding,
+            lm_head,
+            writer: Some(writer),
+            hf_config,
+            device: device.clone(),
+            step,
+            cursor,
+            epoch,
+            saved_step: step,
+            resumed_step: step,
+            group_loss: 0.0,
+        })
+    }
+
+    fn save(&mut self) -> Result<(), String> {
+        let snapshot = checkpoint::snapshot(
+            &self.drafter,
+            &self.opt,
+            TrainingState {
+                step: self.step,
+                epoch: self.epoch,
+                plan_cursor: self.cursor,
+                adam_t: 0,
+            },
+            self.hf_config.clone(),
+        )
+        .map_err(err)?;
+        if let Some(w) = &self.writer {
+            w.submit(snapshot);
+        }
+        self.saved_step = self.step;
+        Ok(())
+    }
+
+    /// Fails on a checkpoint the writer could not write.
+    fn check_writer(&self) -> Result<(), String> {
+        for done in self.writer.iter().flat_map(|w| w.finished()) {
+            done.map_err(|e| format!("checkpoint failed: {e}"))?;
+        }
+        Ok(())
+    }
+}
+
+impl Stage for DrafterStage {
+    fn forward(&mut self, _: &Ring, _: SlotRef, _: &mut Ring, _: SlotRef) -> Result<(), String> {
+        Err("a drafter worker got a forward job".into())
+    }
+
+    fn resumed(&self) -> Option<(u64, u64)> {
+        Some((self.cursor, self.resumed_step))
+    }
+
+    fn train(
+        &mut self,
+        features: &Ring,
+        at: SlotRef,
+        id: BatchId,
+        checksum: u32,
+        group: Group,
+    ) -> Result<(u32, Option<TrainMetrics>), String> {
+        let started = Instant::now();
+        self.check_writer()?;
+        if group.index as usize != self.accum.micro
+            || id.step != self.cursor + u64::from(group.index)
+        {
+            return Err(format!(
+                "out of plan order: the drafter is at plan position {} (+{} micro-batches), the job is step {} (position {} of its group)",
+                self.cursor, self.accum.micro, id.step, group.index
+            ));
+        }
+        let meta = check_written(features, at)?;
+        let data = features.data(at.slot);
+        let lengths = read_lengths(data, &meta)?;
+        let mut tokens = Vec::with_capacity(meta.tokens as usize);
+        read_tokens(data, &meta, &mut tokens)?;
+        let found = token_checksum(&tokens);
+        if found != checksum {
+            return Err(format!(
+                "corrupt batch: features carry tokens with checksum {found:08x}, the orchestrator wrote {checksum:08x}"
+            ));
+        }
+        let masks = read_masks(data, &meta)?;
+        let from = features_offset(self.settings.token_budget);
+        let n = tokens.len() * self.width;
+        let bytes = data
+            .get(from..from + 4 * n)
+            .ok_or_else(|| format!("feature slot {} claims {} tokens", at.slot, tokens.len()))?;
+        let values: Vec<f32> = bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+            .collect();
+        let all =
+            Tensor::from_vec(values, (tokens.len(), self.width), &self.device).map_err(err)?;
+        let block = self.settings.block_size;
+        let (mut sum, mut weight, mut anchors) = (None::<Tensor>, 0.0, 0u32);
+        let (mut correct, mut counted) = (vec![0u32; block], vec![0u32; block]);
+        let mut offset = 0;
+        for (i, &len) in lengths.iter().enumerate() {
+            let len = len as usize;
+            let range = offset..offset + len;
+            offset += len;
+            let picked = sample_anchors(
+                &masks[range.clone()],
+                self.settings.num_anchors,
+                self.settings.seed,
+                id.step,
+                i as u64,
+            );
+            if picked.is_empty() {
+                continue;
+            }
+            let parts = self
+                .drafter
+                .loss_parts(
+                    &all.narrow(0, range.start, len).map_err(err)?,
+                    &tokens[range.clone()],
+                    &masks[range],
+                    &picked,
+                    &self.embedding,
+                    &self.lm_head,
+                    self.settings.gamma,
+                )
+                .map_err(err)?;
+            anchors += picked.len() as u32;
+            weight += parts.weight;
+            let s = parts.sum;
+            for (k, (c, n)) in parts.accuracy.into_iter().enumerate() {
+                correct[k] += c;
+                counted[k] += n;
+            }
+            sum = Some(match sum {
+                None => s,
+                Some(total) => (total + s).map_err(err)?,
+            });
+        }
+        let mut loss = 0.0;
+        match sum {
+            Some(sum) if weight > 0.0 => {
+                let mean = (sum / weight).map_err(err)?;
+                loss = f64::from(mean.to_scalar::<f32>().map_err(err)?);
+                let vars: Vec<_> = self.drafter.params.iter().map(|p| p.var.clone()).collect();
+                self.accum
+                    .add(&mean, &vars, group.len as usize)
+                    .map_err(err)?;
+            }
+            // Nothing to learn from in this micro-batch: it still takes its place in the group.
+            _ => self.accum.micro += 1,
+        }
+        self.group_loss += loss / f64::from(group.len);
+        let mut update = None;
+        if group.is_last() {
+            let grad_norm;
+            let lr = self.schedule.lr(self.step);
+            if let Some(mut grads) = self.accum.take() {
+                grad_norm = clip_grad_norm(&mut grads, self.settings.clip).map_err(err)?;
+                self.opt.step(&grads, lr).map_err(err)?;
+            } else {
+                grad_norm = 0.0;
+            }
+            self.accum.micro = 0;
+            self.step += 1;
+            self.cursor = id.step + 1;
+            self.epoch = id.epoch;
+            let checkpoint = self.step.is_multiple_of(self.settings.save_every);
+            if checkpoint {
+                self.save()?;
+            }
+            update = Some(Update {
+                step: self.step,
+                lr,
+                grad_norm,
+                loss: std::mem::take(&mut self.group_loss),
+                checkpoint,
+            });
+        }
+        Ok((
+            found,
+            Some(TrainMetrics {
+                loss,
+                correct,
+                counted,
+                anchors,
+                compute_s: started.elapsed().as_secs_f64(),
+                update,
+            }),
+        ))
+    }
+
+    fn stop(&mut self) -> Result<(), String> {
+        if self.step > self.saved_step {
+            self.save()?;
+        }
+        let Some(writer) = self.writer.take() else {
+            return Ok(());
+        };
+        for done in writer.finish() {
+            done.map_err(|e| format!("checkpoint failed: {e}"))?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_gpu_worker_without_cuda_refuses_instead_of_using_the_cpu() {
+        assert!(device_for(None).unwrap().is_cpu());
+        assert!(device_for(Some("")).unwrap().is_cpu());
+        if !candle_core::utils::cuda_is_available() {
+            let e = device_for(Some("3")).unwrap_err();
+            assert!(e.contains("built without CUDA"), "{e}");
+        }
+    }
+
+    #[test]
+    fn anchors_are_distinct_masked_and_reproducible() {
+        let mask: Vec<u8> = (0..200).map(|i| u8::from(i % 3 != 0)).collect();
+        let a = sample_anchors(&mask, 40, 7, 11, 2);
+        assert_eq!(a.len(), 40);
+        assert!(a.windows(2).all(|w| w[0] < w[1]));
+        assert!(a.iter().all(|&p| mask[p] == 1 && p + 1 < mask.len()));
+        assert_eq!(a, sample_anchors(&mask, 40, 7, 11, 2));
+        assert_ne!(a, sample_anchors(&mask, 40, 7, 12, 2));
+        assert_ne!(a, sample_anchors(&mask, 40, 7, 11, 3));
+        // Fewer loss positions than anchors: all of them.
+        let few = [0, 1, 1, 0, 1];
+        assert_eq!(sample_anchors(&few, 512, 1, 1, 1), vec![1, 2]);
+        assert!(sample_anchors(&[1], 4, 1, 1, 1).is_empty());
+        assert!(sample_anchors(&[], 4, 1, 1, 1).is_empty());
+    }
+}
