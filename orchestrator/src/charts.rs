@@ -284,3 +284,88 @@ fn draw_efficiency(area: &Area<'_>, stats: &PlanStats) -> Result<(), ChartError>
         .map_err(err)?;
     Ok(())
 }
+
+/// Loss and accuracy over optimiser steps, `points` = (step, loss, accuracy), side by side, each
+/// with its raw values and a moving average.
+pub fn training_curves_svg(points: &[(f64, f64, f64)], title: &str) -> Result<String, ChartError> {
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (1200, 420)).into_drawing_area();
+        root.fill(&WHITE).map_err(err)?;
+        let root = root.titled(title, (FONT, 18)).map_err(err)?;
+        let (left, right) = root.split_horizontally(600);
+        let loss: Vec<(f64, f64)> = points.iter().map(|p| (p.0, p.1)).collect();
+        let accuracy: Vec<(f64, f64)> = points.iter().map(|p| (p.0, p.2)).collect();
+        draw_curve(&left, &loss, "Training loss", "cross-entropy", false)?;
+        draw_curve(
+            &right,
+            &accuracy,
+            "Draft accuracy (block positions 1..)",
+            "fraction correct",
+            true,
+        )?;
+        root.present().map_err(err)?;
+    }
+    Ok(svg)
+}
+
+fn draw_curve(
+    area: &Area<'_>,
+    values: &[(f64, f64)],
+    caption: &str,
+    y_desc: &str,
+    unit_range: bool,
+) -> Result<(), ChartError> {
+    let finite: Vec<(f64, f64)> = values
+        .iter()
+        .copied()
+        .filter(|(x, y)| x.is_finite() && y.is_finite())
+        .collect();
+    let x_max = finite.iter().map(|p| p.0).fold(1.0, f64::max);
+    let (y_min, y_max) = if unit_range {
+        (0.0, 1.0)
+    } else {
+        let lo = finite.iter().map(|p| p.1).fold(f64::INFINITY, f64::min);
+        let hi = finite.iter().map(|p| p.1).fold(f64::NEG_INFINITY, f64::max);
+        if lo.is_finite() && hi > lo {
+            (
+                lo.min(0.0).max(lo - 0.05 * (hi - lo)),
+                hi + 0.05 * (hi - lo),
+            )
+        } else {
+            (0.0, 1.0)
+        }
+    };
+    let mut chart = ChartBuilder::on(area)
+        .caption(caption, (FONT, 15))
+        .margin(10)
+        .x_label_area_size(30)
+        .y_label_area_size(50)
+        .build_cartesian_2d(0f64..x_max, y_min..y_max)
+        .map_err(err)?;
+    chart
+        .configure_mesh()
+        .x_desc("optimiser step")
+        .y_desc(y_desc)
+        .draw()
+        .map_err(err)?;
+    chart
+        .draw_series(LineSeries::new(
+            finite.iter().copied(),
+            RGBColor(31, 119, 180).mix(0.35),
+        ))
+        .map_err(err)?;
+    let window = (finite.len() / 20).max(1);
+    let smooth = finite.iter().enumerate().map(|(i, &(x, _))| {
+        let from = i.saturating_sub(window - 1);
+        let span = &finite[from..=i];
+        (x, span.iter().map(|p| p.1).sum::<f64>() / span.len() as f64)
+    });
+    chart
+        .draw_series(LineSeries::new(
+            smooth,
+            RGBColor(214, 39, 40).stroke_width(2),
+        ))
+        .map_err(err)?;
+    Ok(())
+}

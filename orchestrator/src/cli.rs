@@ -48,6 +48,9 @@ pub enum Command {
     Clean(commands::clean::CleanArgs),
     /// Write a small random-weight Qwen3 target (for tests and the demo; no downloads).
     InitTiny(commands::init_tiny::InitTinyArgs),
+    /// Train a DFlash drafter end to end on this machine's CPUs: tiny target, generated
+    /// conversations, prepare, launch, final figures (a few minutes; no GPU, no downloads).
+    Demo(commands::demo::DemoArgs),
 }
 
 /// A failure of a command, with the exit code it maps to.
@@ -155,6 +158,7 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::Stop(args) => commands::stop::run(args),
         Command::Clean(args) => commands::clean::run(args),
         Command::InitTiny(args) => commands::init_tiny::run(args),
+        Command::Demo(args) => commands::demo::run(args),
     }
 }
 

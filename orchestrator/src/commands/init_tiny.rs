@@ -158,13 +158,21 @@ pub fn run(args: InitTinyArgs) -> Result<(), CliError> {
     let layout = tensor_layout(&shape);
     let data: Vec<Vec<u8>> = layout
         .iter()
-        .map(|(_, dims, is_norm)| {
+        .map(|(name, dims, is_norm)| {
             let n: usize = dims.iter().product();
+            // The embedding and output head are drawn at the scale of a trained model's (logits
+            // of a few units), so that a drafter trained through them can express confident
+            // predictions; the decoder matrices at the usual 0.02.
+            let std = if name.contains("embed_tokens") || name.starts_with("lm_head") {
+                4.0 / (shape.hidden as f64).sqrt()
+            } else {
+                0.02
+            };
             let values: Vec<f32> = if *is_norm {
                 vec![1.0; n]
             } else {
                 (0..n)
-                    .map(|_| (0.02 * rng.standard_normal()) as f32)
+                    .map(|_| (std * rng.standard_normal()) as f32)
                     .collect()
             };
             values.iter().flat_map(|v| v.to_le_bytes()).collect()

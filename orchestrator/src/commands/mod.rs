@@ -1,6 +1,7 @@
 //! One module per `dflash-orch` subcommand.
 
 pub mod clean;
+pub mod demo;
 pub mod init_tiny;
 pub mod inspect;
 pub mod launch;

@@ -1,0 +1,389 @@
+//! `dflash-orch demo`: the whole job on this machine, no GPU and no downloads. It writes a tiny
+//! target, generates conversations with structure a drafter can learn, prepares them through the
+//! real `prepare`, trains with `launch --stage dflash` on three CPU workers, and reports how loss,
+//! accuracy and acceptance length moved. Every step is the real subcommand, run as a child process,
+//! and printed so it can be run by hand.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use clap::Args;
+use serde_json::{Value, json};
+
+use crate::cli::CliError;
+use crate::planner::rng::{PlanRng, Purpose};
+use crate::runtime::metrics;
+
+#[derive(Debug, Clone, Args)]
+pub struct DemoArgs {
+    /// Where the demo writes everything (target/, conversations.jsonl, store/, run/).
+    #[arg(long, value_name = "DIR", default_value = "dflash-demo")]
+    pub run_dir: PathBuf,
+
+    /// Conversations to generate.
+    #[arg(long, value_name = "N", default_value_t = 2000)]
+    pub samples: usize,
+
+    /// Epochs to train.
+    #[arg(long, value_name = "N", default_value_t = 6)]
+    pub epochs: u32,
+
+    /// Seed of the data, the target, the plans and the drafter.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+
+    /// Replace DIR if it exists.
+    #[arg(long)]
+    pub force: bool,
+
+    /// Print the final figures as one JSON object on stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+const WORDS: [&str; 24] = [
+    "red", "green", "blue", "river", "stone", "cloud", "apple", "tiger", "paper", "light", "north",
+    "south", "quick", "slow", "happy", "music", "water", "fire", "train", "model", "token",
+    "draft", "block", "layer",
+];
+const DAYS: [&str; 7] = [
+    "Monday",
+    "Tuesday",
+    "Wednesday",
+    "Thursday",
+    "Friday",
+    "Saturday",
+    "Sunday",
+];
+const MONTHS: [&str; 12] = [
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
+];
+
+/// One conversation whose answer follows from its question by a rule: counting, cycles of days
+/// and months, spelling, repetition.
+fn conversation(rng: &mut PlanRng) -> Value {
+    let pick = |rng: &mut PlanRng, n: usize| rng.below(n as u64) as usize;
+    let (question, answer) = match pick(rng, 5) {
+        0 => {
+            let from = pick(rng, 80);
+            let to = from + 8 + pick(rng, 16);
+            let numbers: Vec<String> = (from..=to).map(|n| n.to_string()).collect();
+            (
+                format!("Count from {from} to {to}."),
+                format!("{}.", numbers.join(", ")),
+            )
+        }
+        1 => {
+            let start = pick(rng, 7);
+            let n = 5 + pick(rng, 10);
+            let days: Vec<&str> = (0..n).map(|i| DAYS[(start + i) % 7]).collect();
+            (
+                format!("List {n} days starting on {}.", DAYS[start]),
+                format!("{}.", days.join(", ")),
+            )
+        }
+        2 => {
+            let start = pick(rng, 12);
+            let n = 4 + pick(rng, 9);
+            let months: Vec<&str> = (0..n).map(|i| MONTHS[(start + i) % 12]).collect();
+            (
+                format!("Name {n} months from {}.", MONTHS[start]),
+                format!("{}.", months.join(", ")),
+            )
+        }
+        3 => {
+            let words: Vec<&str> = (0..2 + pick(rng, 2))
+                .map(|_| WORDS[pick(rng, 24)])
+                .collect();
+            let spelled: Vec<String> = words
+                .iter()
+                .map(|w| {
+                    w.chars()
+                        .map(|c| c.to_ascii_uppercase().to_string())
+                        .collect::<Vec<_>>()
+                        .join("-")
+                })
+                .collect();
+            (
+                format!("Spell {}.", words.join(" and ")),
+                format!("{}.", spelled.join(", then ")),
+            )
+        }
+        _ => {
+            let words: Vec<&str> = (0..4 + pick(rng, 4))
+                .map(|_| WORDS[pick(rng, 24)])
+                .collect();
+            let line = words.join(" ");
+            (
+                format!("Repeat three times: {line}"),
+                format!("{line}; {line}; {line}."),
+            )
+        }
+    };
+    json!({"messages": [
+        {"role": "system", "content": "You answer exactly."},
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": answer},
+    ]})
+}
+
+/// Runs one subcommand of this binary, showing it; fails with its exit status.
+fn step(label: &str, args: &[String], quiet: bool) -> Result<(), CliError> {
+    let exe = std::env::current_exe()
+        .map_err(|e| CliError::io("cannot find the dflash-orch binary".to_owned(), e))?;
+    eprintln!("{label:<10} dflash-orch {}", args.join(" "));
+    let mut command = Command::new(&exe);
+    command.args(args);
+    if quiet {
+        command.stdout(std::process::Stdio::null());
+    }
+    let status = command
+        .status()
+        .map_err(|e| CliError::io(format!("cannot run {}", exe.display()), e))?;
+    if status.success() {
+        Ok(())
+    } else if status.code() == Some(i32::from(dflash_common::exit_code::INTERRUPTED)) {
+        Err(CliError::Interrupted("demo stopped".into()))
+    } else {
+        Err(CliError::Failed(format!(
+            "`dflash-orch {}` failed ({status})",
+            args.first().map_or("", String::as_str)
+        )))
+    }
+}
+
+/// Mean of a field over a slice of metric lines.
+fn mean(lines: &[Value], field: &str) -> f64 {
+    let values: Vec<f64> = lines.iter().filter_map(|l| l[field].as_f64()).collect();
+    values.iter().sum::<f64>() / values.len().max(1) as f64
+}
+
+fn path_arg(p: &Path) -> String {
+    p.display().to_string()
+}
+
+pub fn run(args: DemoArgs) -> Result<(), CliError> {
+    let dir = &args.run_dir;
+    if dir.exists() {
+        if !args.force {
+            return Err(CliError::Invalid(format!(
+                "{} already exists (pass --force to replace it, or choose another --run-dir)",
+                dir.display()
+            )));
+        }
+        std::fs::remove_dir_all(dir)
+            .map_err(|e| CliError::io(format!("cannot remove {}", dir.display()), e))?;
+    }
+    if args.samples < 50 || args.epochs == 0 {
+        return Err(CliError::Invalid(
+            "--samples must be at least 50 and --epochs at least 1".into(),
+        ));
+    }
+    std::fs::create_dir_all(dir)
+        .map_err(|e| CliError::io(format!("cannot create {}", dir.display()), e))?;
+    let dir = dir
+        .canonicalize()
+        .map_err(|e| CliError::io(format!("cannot resolve {}", dir.display()), e))?;
+    let (target, data, store, run_dir) = (
+        dir.join("target"),
+        dir.join("conversations.jsonl"),
+        dir.join("store"),
+        dir.join("run"),
+    );
+    eprintln!(
+        "dflash-orch demo: a DFlash drafter trained end to end on this machine's CPUs (no GPU, no downloads), in {}",
+        dir.display()
+    );
+    step(
+        "[1/4]",
+        &[
+            "init-tiny".into(),
+            "--output".into(),
+            path_arg(&target),
+            "--seed".into(),
+            args.seed.to_string(),
+        ],
+        true,
+    )?;
+
+    let mut rng = PlanRng::stream(args.seed, 1, Purpose::Synthetic);
+    let mut text = Vec::new();
+    for _ in 0..args.samples {
+        serde_json::to_writer(&mut text, &conversation(&mut rng)).expect("JSON to memory");
+        text.push(b'\n');
+    }
+    let mut file = std::fs::File::create(&data)
+        .map_err(|e| CliError::io(format!("cannot write {}", data.display()), e))?;
+    file.write_all(&text)
+        .map_err(|e| CliError::io(format!("cannot write {}", data.display()), e))?;
+    eprintln!(
+        "[2/4]      {} conversations (counting, days, months, spelling, repetition) in {}",
+        args.samples,
+        data.display()
+    );
+    step(
+        "[3/4]",
+        &[
+            "prepare".into(),
+            "--input".into(),
+            path_arg(&data),
+            "--tokenizer".into(),
+            path_arg(&target.join("tokenizer.json")),
+            "--max-len".into(),
+            "256".into(),
+            "--output".into(),
+            path_arg(&store),
+        ],
+        true,
+    )?;
+    eprintln!(
+        "           while it trains, in another terminal: dflash-orch status --run-dir {}",
+        run_dir.display()
+    );
+    let launch: Vec<String> = [
+        "launch",
+        "--gpus",
+        "cpu:3",
+        "--topology",
+        "2:1",
+        "--stage",
+        "dflash",
+        "--target-model",
+        &path_arg(&target),
+        "--data",
+        &path_arg(&store),
+        "--run-dir",
+        &path_arg(&run_dir),
+        "--epochs",
+        &args.epochs.to_string(),
+        "--seed",
+        &args.seed.to_string(),
+        "--token-budget",
+        "2048",
+        "--max-len",
+        "256",
+        "--buckets",
+        "auto:4",
+        "--accum",
+        "2",
+        "--draft-layers",
+        "1",
+        "--target-layer-ids",
+        "1,3",
+        "--num-anchors",
+        "16",
+        "--lr",
+        "3e-3",
+        "--save-every",
+        "25",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    step("[4/4]", &launch, false)?;
+
+    let lines = metrics::read(&run_dir)
+        .map_err(|e| CliError::io(format!("cannot read {}", metrics::FILE), e))?;
+    if lines.len() < 10 {
+        return Err(CliError::Failed(format!(
+            "the run recorded only {} optimiser steps",
+            lines.len()
+        )));
+    }
+    let tenth = lines.len() / 10;
+    let (first, last) = (&lines[..tenth], &lines[lines.len() - tenth..]);
+    let checkpoint = std::fs::read_to_string(run_dir.join("checkpoints").join("latest"))
+        .map(|name| run_dir.join("checkpoints").join(name.trim()))
+        .unwrap_or_else(|_| run_dir.join("checkpoints"));
+    let curves = run_dir.join("training.svg");
+    let points: Vec<(f64, f64, f64)> = lines
+        .iter()
+        .map(|l| {
+            (
+                l["step"].as_f64().unwrap_or(0.0),
+                l["loss"].as_f64().unwrap_or(f64::NAN),
+                l["accuracy"].as_f64().unwrap_or(f64::NAN),
+            )
+        })
+        .collect();
+    let svg = crate::charts::training_curves_svg(&points, "dflash-orch demo")
+        .map_err(|e| CliError::Failed(e.to_string()))?;
+    std::fs::write(&curves, svg)
+        .map_err(|e| CliError::io(format!("cannot write {}", curves.display()), e))?;
+    let summary = json!({
+        "steps": lines.len(),
+        "first_tenth": {
+            "loss": mean(first, "loss"),
+            "accuracy": mean(first, "accuracy"),
+            "acceptance_length": mean(first, "acceptance_length"),
+        },
+        "last_tenth": {
+            "loss": mean(last, "loss"),
+            "accuracy": mean(last, "accuracy"),
+            "acceptance_length": mean(last, "acceptance_length"),
+        },
+        "checkpoint": checkpoint,
+        "curves": curves,
+        "run_dir": run_dir,
+    });
+    eprintln!(
+        "result     over {} optimiser steps, first tenth -> last tenth: loss {:.3} -> {:.3}, accuracy {:.3} -> {:.3}, acceptance length {:.2} -> {:.2}",
+        lines.len(),
+        mean(first, "loss"),
+        mean(last, "loss"),
+        mean(first, "accuracy"),
+        mean(last, "accuracy"),
+        mean(first, "acceptance_length"),
+        mean(last, "acceptance_length"),
+    );
+    eprintln!(
+        "checkpoint {} (model.safetensors and config.json in the Hugging Face DFlash layout)",
+        checkpoint.display()
+    );
+    eprintln!(
+        "curves     {}; per-step metrics in {}",
+        curves.display(),
+        run_dir.join(metrics::FILE).display()
+    );
+    if args.json {
+        println!("{summary}");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn conversations_are_deterministic_and_answer_by_rule() {
+        let make = |seed| {
+            let mut rng = PlanRng::stream(seed, 1, Purpose::Synthetic);
+            (0..50).map(|_| conversation(&mut rng)).collect::<Vec<_>>()
+        };
+        assert_eq!(make(3), make(3));
+        assert_ne!(make(3), make(4));
+        for c in make(5) {
+            let m = c["messages"].as_array().unwrap();
+            assert_eq!(m[2]["role"], "assistant");
+            let q = m[1]["content"].as_str().unwrap();
+            let a = m[2]["content"].as_str().unwrap();
+            if let Some(rest) = q.strip_prefix("Count from ") {
+                let from: usize = rest.split(' ').next().unwrap().parse().unwrap();
+                assert!(a.starts_with(&format!("{from}, {}", from + 1)), "{q} {a}");
+            }
+        }
+    }
+}
