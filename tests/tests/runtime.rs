@@ -6,9 +6,12 @@ use std::fs;
 use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use dflash_e2e::{assert_refused, bin, orch, stdout_ok};
+use dflash_e2e::{
+    alive, assert_clean, assert_refused, bin, finish, journal_events, orch, signal, status,
+    stdout_ok, wait_until, worker_pid,
+};
 use serde_json::Value;
 
 const SAMPLES: &str = "1000";
@@ -70,15 +73,6 @@ fn commits(run_dir: &Path) -> Vec<(u64, u64, u64, u64, u64)> {
         .collect()
 }
 
-fn journal_events(run_dir: &Path, event: &str) -> Vec<Value> {
-    fs::read_to_string(run_dir.join("journal.jsonl"))
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .filter(|v| v["event"] == event)
-        .collect()
-}
-
 /// What an undisturbed, fast run of the same plan commits; also checks it against the plan.
 fn reference() -> Vec<(u64, u64, u64, u64, u64)> {
     let dir = tempfile::tempdir().unwrap();
@@ -105,88 +99,6 @@ fn reference() -> Vec<(u64, u64, u64, u64, u64)> {
         }
     }
     c
-}
-
-fn wait_until(what: &str, deadline: Duration, mut ready: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !ready() {
-        assert!(start.elapsed() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-fn status(run_dir: &Path) -> Value {
-    let out = orch(&["status", "--run-dir", run_dir.to_str().unwrap(), "--json"]);
-    serde_json::from_str(&stdout_ok(&out)).unwrap()
-}
-
-fn worker_pid(run_dir: &Path, role: &str) -> (u64, i32) {
-    let s = status(run_dir);
-    let w = s["workers"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|w| w["role"] == role && w["pid"].is_u64())
-        .unwrap_or_else(|| panic!("no live {role} in {s}"));
-    (w["id"].as_u64().unwrap(), w["pid"].as_u64().unwrap() as i32)
-}
-
-fn signal(pid: i32, sig: &str) {
-    assert!(
-        Command::new("kill")
-            .args([&format!("-{sig}"), &pid.to_string()])
-            .status()
-            .unwrap()
-            .success()
-    );
-}
-
-fn alive(pid: u64) -> bool {
-    match fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => !stat
-            .rsplit(')')
-            .next()
-            .unwrap_or("")
-            .trim_start()
-            .starts_with('Z'),
-        Err(_) => false,
-    }
-}
-
-/// No worker of the run left, no segment of the run in /dev/shm.
-fn assert_clean(run_dir: &Path) {
-    for w in journal_events(run_dir, "worker_start") {
-        let pid = w["pid"].as_u64().unwrap();
-        wait_until("workers to exit", Duration::from_secs(10), || !alive(pid));
-    }
-    let run_id = dflash_common_run_id(run_dir);
-    let left: Vec<_> = fs::read_dir("/dev/shm")
-        .unwrap()
-        .filter_map(|e| e.ok())
-        .filter(|e| e.file_name().to_string_lossy().contains(&run_id))
-        .collect();
-    assert!(left.is_empty(), "segments left: {left:?}");
-}
-
-fn dflash_common_run_id(run_dir: &Path) -> String {
-    // Same derivation as the orchestrator (FNV-1a of the canonical path).
-    let canonical = run_dir.canonicalize().unwrap();
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in canonical.as_os_str().as_encoded_bytes() {
-        h ^= u64::from(*b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    format!("{h:016x}")
-}
-
-fn finish(child: Child) -> Output {
-    let out = child.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "launch failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
 }
 
 /// Sends `sig` to a worker of `role` mid-run; the run must commit what an undisturbed one does, and

@@ -1,0 +1,397 @@
+//! `--stage dflash` end to end on `cpu:3` (two target workers, one drafter) with the tiny target:
+//! a run whose drafter is SIGKILLed, and one whose orchestrator is SIGKILLed and resumed, end with
+//! a `model.safetensors` byte-identical to an undisturbed run's, and commit exactly what it commits;
+//! the checkpoint loads with the Python `safetensors` package; bad targets and settings are refused
+//! at launch, before any worker starts.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use dflash_e2e::{
+    assert_clean, assert_refused, bin, finish, journal_events, orch, signal, stdout_ok, wait_until,
+    worker_pid,
+};
+use serde_json::Value;
+
+/// The run: small batches so that it has enough steps to be interrupted between checkpoints.
+const RUN_FLAGS: [&str; 30] = [
+    "--gpus",
+    "cpu:3",
+    "--topology",
+    "2:1",
+    "--stage",
+    "dflash",
+    "--synthetic",
+    "240",
+    "--epochs",
+    "2",
+    "--max-len",
+    "64",
+    "--token-budget",
+    "512",
+    "--buckets",
+    "auto:2",
+    "--accum",
+    "2",
+    "--draft-layers",
+    "1",
+    "--num-anchors",
+    "24",
+    "--save-every",
+    "4",
+    "--keep-checkpoints",
+    "2",
+    "--heartbeat-timeout",
+    "10",
+    "--max-restarts",
+    "5",
+];
+/// Batches between checkpoints: --save-every × --accum.
+const CHECKPOINT_BATCHES: u64 = 8;
+
+fn tiny_target(dir: &Path) -> PathBuf {
+    let target = dir.join("target");
+    stdout_ok(&orch(&["init-tiny", "--output", target.to_str().unwrap()]));
+    target
+}
+
+fn launch(run_dir: &Path, target: &Path) -> Command {
+    let mut c = Command::new(bin("dflash-orch"));
+    c.arg("launch")
+        .args(RUN_FLAGS)
+        .arg("--target-model")
+        .arg(target)
+        .arg("--run-dir")
+        .arg(run_dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    c
+}
+
+/// `(step, epoch, batch, checksum)` of the commits in force: those a rewind voided are dropped.
+fn effective_commits(run_dir: &Path) -> Vec<(u64, u64, u64, u64)> {
+    let text = fs::read_to_string(run_dir.join("journal.jsonl")).unwrap_or_default();
+    let mut commits = Vec::new();
+    for v in text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+    {
+        let n = |k: &str| v[k].as_u64().unwrap();
+        if v["event"] == "commit" {
+            commits.push((n("step"), n("epoch"), n("batch"), n("checksum")));
+        } else if v["event"] == "rewind" {
+            let to = n("to_step");
+            commits.retain(|c| c.0 < to);
+        }
+    }
+    commits
+}
+
+/// The final drafter weights: `model.safetensors` of the checkpoint `latest` names.
+fn final_weights(run_dir: &Path) -> Vec<u8> {
+    let root = run_dir.join("checkpoints");
+    let latest = fs::read_to_string(root.join("latest")).unwrap();
+    fs::read(root.join(latest.trim()).join("model.safetensors")).unwrap()
+}
+
+struct Reference {
+    commits: Vec<(u64, u64, u64, u64)>,
+    weights: Vec<u8>,
+    _dir: tempfile::TempDir,
+    run_dir: PathBuf,
+}
+
+/// An undisturbed run: one commit per planned batch in plan order, a final checkpoint.
+fn reference(target: &Path) -> Reference {
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("run");
+    finish(launch(&run_dir, target).spawn().unwrap());
+    let commits = effective_commits(&run_dir);
+    assert!(commits.len() >= 50, "{} commits", commits.len());
+    for (i, c) in commits.iter().enumerate() {
+        assert_eq!(c.0, i as u64, "plan order");
+    }
+    assert!(journal_events(&run_dir, "rewind").is_empty());
+    let state: Value = serde_json::from_slice(
+        &fs::read(
+            run_dir
+                .join("checkpoints")
+                .join(
+                    fs::read_to_string(run_dir.join("checkpoints/latest"))
+                        .unwrap()
+                        .trim(),
+                )
+                .join("state.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(state["plan_cursor"].as_u64(), Some(commits.len() as u64));
+    Reference {
+        commits,
+        weights: final_weights(&run_dir),
+        _dir: dir,
+        run_dir,
+    }
+}
+
+/// Waits until the run has committed past a checkpoint and is mid-way to the next one, so that
+/// the drafter holds trained batches no checkpoint has: a restart must rewind and replay them.
+fn wait_between_checkpoints(run_dir: &Path) {
+    wait_until(
+        "a point between checkpoints",
+        Duration::from_secs(120),
+        || {
+            let n = effective_commits(run_dir).len() as u64;
+            n >= 2 * CHECKPOINT_BATCHES && (3..=6).contains(&(n % CHECKPOINT_BATCHES))
+        },
+    );
+}
+
+fn kill_and_wait(child: &mut Child) {
+    child.kill().unwrap();
+    child.wait().unwrap();
+}
+
+#[test]
+fn drafter_sigkill_mid_run_ends_with_identical_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = tiny_target(dir.path());
+    let want = reference(&target);
+    let run_dir = dir.path().join("run");
+    let child = launch(&run_dir, &target).spawn().unwrap();
+    wait_until("the drafter", Duration::from_secs(60), || {
+        run_dir.join("control.sock").exists()
+    });
+    wait_between_checkpoints(&run_dir);
+    let (_, pid) = worker_pid(&run_dir, "drafter");
+    signal(pid, "KILL");
+    finish(child);
+    let rewinds = journal_events(&run_dir, "rewind");
+    assert!(!rewinds.is_empty(), "the drafter's restart replays batches");
+    assert!(
+        journal_events(&run_dir, "worker_exit")
+            .iter()
+            .any(|e| e["reason"].as_str().unwrap_or("").contains("SIGKILL")),
+        "the kill is journaled"
+    );
+    assert_eq!(effective_commits(&run_dir), want.commits);
+    assert!(
+        final_weights(&run_dir) == want.weights,
+        "final model.safetensors differs from the undisturbed run's"
+    );
+    assert_clean(&run_dir);
+}
+
+#[test]
+fn orchestrator_sigkill_then_resume_ends_with_identical_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = tiny_target(dir.path());
+    let want = reference(&target);
+    let run_dir = dir.path().join("run");
+    let mut child = launch(&run_dir, &target).spawn().unwrap();
+    wait_between_checkpoints(&run_dir);
+    kill_and_wait(&mut child);
+    let resumed = Command::new(bin("dflash-orch"))
+        .args(["launch", "--resume", "--run-dir"])
+        .arg(&run_dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    finish(resumed);
+    assert_eq!(journal_events(&run_dir, "resume").len(), 1);
+    assert!(
+        !journal_events(&run_dir, "rewind").is_empty(),
+        "the resumed drafter starts from its checkpoint, before the journal's last commit"
+    );
+    assert_eq!(effective_commits(&run_dir), want.commits);
+    assert!(
+        final_weights(&run_dir) == want.weights,
+        "final model.safetensors differs from the undisturbed run's"
+    );
+    assert_clean(&run_dir);
+}
+
+/// The Python interpreter of the test venv (`scripts/setup-test-env`).
+fn test_python() -> PathBuf {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let python = std::env::var_os("DFLASH_TEST_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root.join(".venv-test/bin/python"));
+    assert!(
+        python.exists(),
+        "{} not found: run scripts/setup-test-env first (README's test command does)",
+        python.display()
+    );
+    python
+}
+
+#[test]
+fn checkpoints_load_with_python_safetensors_and_metrics_are_recorded() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = tiny_target(dir.path());
+    let run = reference(&target);
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let checkpoints = run.run_dir.join("checkpoints");
+    let mut names: Vec<String> = fs::read_dir(&checkpoints)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("step-"))
+        .collect();
+    names.sort();
+    assert_eq!(names.len(), 2, "--keep-checkpoints 2: {names:?}");
+    let last = fs::read_to_string(checkpoints.join("latest")).unwrap();
+    let out = Command::new(test_python())
+        .arg(root.join("scripts/check_checkpoint.py"))
+        .arg(checkpoints.join(last.trim()))
+        .output()
+        .unwrap();
+    let summary: Value = serde_json::from_str(&stdout_ok(&out)).unwrap();
+    assert_eq!(summary["problems"], serde_json::json!([]));
+    assert_eq!(summary["tensors"], 14, "fc, two norms and 11 per layer");
+    let config: Value = serde_json::from_slice(
+        &fs::read(checkpoints.join(last.trim()).join("config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        config["architectures"],
+        serde_json::json!(["DFlashDraftModel"])
+    );
+    assert_eq!(config["block_size"], 16);
+    assert_eq!(config["dflash_config"]["mask_token_id"], 599);
+    assert_eq!(
+        config["dflash_config"]["target_layer_ids"],
+        serde_json::json!([2])
+    );
+    // One metrics line per optimiser step, the last step at the end of the schedule.
+    let lines: Vec<Value> = fs::read_to_string(run.run_dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let steps: Vec<u64> = lines.iter().map(|l| l["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps, (1..=lines.len() as u64).collect::<Vec<_>>());
+    assert!(lines.iter().all(|l| l["loss"].as_f64().unwrap().is_finite()
+        && l["accuracy_by_position"].as_array().unwrap().len() == 15
+        && l["grad_norm"].as_f64().unwrap() > 0.0));
+    assert!(lines.last().unwrap()["lr"].as_f64().unwrap() < 1e-4);
+}
+
+/// A launch that must be refused before any worker starts.
+fn refused(target: &Path, extra: &[&str], needle: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("run");
+    let mut c = launch(&run_dir, target);
+    c.args(extra).stderr(Stdio::piped());
+    let out = c.output().unwrap();
+    assert_refused(&out, 2, needle);
+    assert!(
+        !run_dir.join("logs").exists() && !run_dir.join("journal.jsonl").exists(),
+        "nothing started"
+    );
+}
+
+#[test]
+fn bad_targets_and_settings_are_refused_at_launch() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = tiny_target(dir.path());
+    // Settings against the target (4 layers, vocabulary 600).
+    refused(&target, &["--target-layer-ids", "1,4"], "layer 4 is beyond");
+    refused(
+        &target,
+        &["--mask-token-id", "600"],
+        "outside the target's vocabulary",
+    );
+    // A model directory missing its weights.
+    let no_weights = dir.path().join("no-weights");
+    fs::create_dir(&no_weights).unwrap();
+    fs::copy(target.join("config.json"), no_weights.join("config.json")).unwrap();
+    let out = Command::new(bin("dflash-orch"))
+        .arg("launch")
+        .args(RUN_FLAGS)
+        .arg("--target-model")
+        .arg(&no_weights)
+        .arg("--run-dir")
+        .arg(dir.path().join("r1"))
+        .output()
+        .unwrap();
+    assert_refused(&out, 2, "has neither model.safetensors");
+    // Without config.json.
+    let empty = dir.path().join("empty");
+    fs::create_dir(&empty).unwrap();
+    refused(&empty, &[], "config.json: cannot read");
+    // Another architecture.
+    let llama = dir.path().join("llama");
+    fs::create_dir(&llama).unwrap();
+    for f in ["model.safetensors", "tokenizer.json"] {
+        fs::copy(target.join(f), llama.join(f)).unwrap();
+    }
+    let mut config: Value =
+        serde_json::from_slice(&fs::read(target.join("config.json")).unwrap()).unwrap();
+    config["architectures"] = serde_json::json!(["MistralForCausalLM"]);
+    fs::write(llama.join("config.json"), config.to_string()).unwrap();
+    refused(&llama, &[], "unsupported architecture");
+    // Weights that stop short of what config.json promises.
+    let short = dir.path().join("short");
+    fs::create_dir(&short).unwrap();
+    fs::copy(target.join("config.json"), short.join("config.json")).unwrap();
+    let weights = fs::read(target.join("model.safetensors")).unwrap();
+    fs::write(
+        short.join("model.safetensors"),
+        &weights[..weights.len() - 1000],
+    )
+    .unwrap();
+    refused(&short, &[], "file truncated");
+}
+
+#[test]
+fn a_dataset_beyond_the_target_vocabulary_is_refused_at_launch() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = tiny_target(dir.path());
+    let jsonl = dir.path().join("data.jsonl");
+    let ids: Vec<String> = (0..40).map(|i| (i * 20).to_string()).collect();
+    fs::write(
+        &jsonl,
+        format!("{{\"input_ids\": [{}]}}\n", ids.join(",")).repeat(4),
+    )
+    .unwrap();
+    let store = dir.path().join("store");
+    stdout_ok(&orch(&[
+        "prepare",
+        "--input",
+        jsonl.to_str().unwrap(),
+        "--output",
+        store.to_str().unwrap(),
+    ]));
+    let run_dir = dir.path().join("run");
+    let out = Command::new(bin("dflash-orch"))
+        .args([
+            "launch",
+            "--gpus",
+            "cpu:2",
+            "--stage",
+            "dflash",
+            "--max-len",
+            "64",
+            "--token-budget",
+            "512",
+            "--buckets",
+            "auto:1",
+        ])
+        .arg("--target-model")
+        .arg(&target)
+        .arg("--data")
+        .arg(&store)
+        .arg("--run-dir")
+        .arg(&run_dir)
+        .output()
+        .unwrap();
+    assert_refused(&out, 2, "token id 600 in sample 0");
+    assert!(!run_dir.join("logs").exists(), "no worker started");
+}
