@@ -217,6 +217,71 @@ fn orchestrator_sigkill_then_resume_ends_with_identical_weights() {
     assert_clean(&run_dir);
 }
 
+fn copy_dir(from: &Path, to: &Path) {
+    fs::create_dir_all(to).unwrap();
+    for entry in fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let dest = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_dir(&entry.path(), &dest);
+        } else {
+            fs::copy(entry.path(), dest).unwrap();
+        }
+    }
+}
+
+/// The orchestrator died after the last commit, before the drafter's final checkpoint: the journal
+/// holds every commit but no end, and `latest` is an earlier checkpoint. The resume replays from
+/// there and ends with the undisturbed run's weights.
+#[test]
+fn resume_after_the_last_commit_replays_from_the_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = tiny_target(dir.path());
+    let want = reference(&target);
+    let run_dir = dir.path().join("run");
+    copy_dir(&want.run_dir, &run_dir);
+    let journal = run_dir.join("journal.jsonl");
+    let text = fs::read_to_string(&journal).unwrap();
+    let mut lines: Vec<&str> = text.lines().collect();
+    assert!(lines.pop().unwrap().contains(r#""event":"end""#));
+    fs::write(&journal, lines.join("\n") + "\n").unwrap();
+    let checkpoints = run_dir.join("checkpoints");
+    let mut steps: Vec<u64> = fs::read_dir(&checkpoints)
+        .unwrap()
+        .filter_map(|e| {
+            e.ok()?
+                .file_name()
+                .to_str()?
+                .strip_prefix("step-")?
+                .parse()
+                .ok()
+        })
+        .collect();
+    steps.sort_unstable();
+    fs::write(checkpoints.join("latest"), format!("step-{}", steps[0])).unwrap();
+    fs::remove_dir_all(checkpoints.join(format!("step-{}", steps[1]))).unwrap();
+    let resumed = Command::new(bin("dflash-orch"))
+        .args(["launch", "--resume", "--run-dir"])
+        .arg(&run_dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    finish(resumed);
+    assert_eq!(journal_events(&run_dir, "rewind").len(), 1);
+    assert_eq!(
+        journal_events(&run_dir, "end").last().unwrap()["status"],
+        "completed"
+    );
+    assert_eq!(effective_commits(&run_dir), want.commits);
+    assert!(
+        final_weights(&run_dir) == want.weights,
+        "final model.safetensors differs from the undisturbed run's"
+    );
+    assert_clean(&run_dir);
+}
+
 /// The Python interpreter of the test venv (`scripts/setup-test-env`).
 fn test_python() -> PathBuf {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();

@@ -284,6 +284,10 @@ struct Run {
     epoch_sizes: Vec<u64>,
     /// A drafter resumed at this plan position: the pipeline is drained, then repositioned.
     rewind_to: Option<u64>,
+    /// The live drafter has reported where its weights stand.
+    drafter_resumed: bool,
+    /// Why the run cannot count as completed (the drafter died while stopping).
+    final_checkpoint_lost: Option<String>,
     metrics: metrics::Metrics,
     /// Plan position where this session started (for its rate).
     session_start: u64,
@@ -679,6 +683,8 @@ pub fn launch(
         next_train: start.batch,
         epoch_sizes: start.epoch_sizes,
         rewind_to: None,
+        drafter_resumed: false,
+        final_checkpoint_lost: None,
         metrics: metrics::Metrics::open(run_dir_path)
             .map_err(|e| RunError::Invalid(format!("metrics: {e}")))?,
         session_start: start.step_base + start.batch as u64,
@@ -703,7 +709,8 @@ pub fn launch(
         nvml,
         config,
     };
-    let result = run.drive(&inbox, start.epoch == run.epoch && start.batch == 0);
+    let new_epoch = start.batch == 0 && start.epoch < run.config.epochs;
+    let result = run.drive(&inbox, new_epoch);
     run.shutdown();
     let summary = Summary {
         steps: run.committed_total,
@@ -754,6 +761,13 @@ impl Run {
                 self.wind_down(Instant::now() > deadline);
                 if self.workers.iter().all(|w| w.process.is_none()) {
                     self.progress(true);
+                    let mut outcome = outcome;
+                    let reason = self.final_checkpoint_lost.take().inspect(|why| {
+                        tracing::warn!("{why}");
+                        if outcome == Outcome::Completed {
+                            outcome = Outcome::Stopped;
+                        }
+                    });
                     let status = match outcome {
                         Outcome::Completed => "completed",
                         Outcome::Stopped => "stopped",
@@ -762,7 +776,7 @@ impl Run {
                     self.journal
                         .append(&Entry::End {
                             status: status.into(),
-                            reason: None,
+                            reason,
                         })
                         .map_err(|e| RunError::Failed(format!("journal: {e}")))?;
                     return Ok(outcome);
@@ -770,6 +784,16 @@ impl Run {
                 continue;
             }
             self.reposition()?;
+            if self.epoch >= self.config.epochs {
+                // Every batch is committed (a resume after the last commit): done once the
+                // drafter has said where its weights stand, or after replaying up to here.
+                if self.rewind_to.is_none()
+                    && (self.config.dflash.is_none() || self.drafter_resumed)
+                {
+                    self.stopping = Some(Outcome::Completed);
+                }
+                continue;
+            }
             self.feed();
             self.dispatch();
             self.progress(false);
@@ -858,6 +882,7 @@ impl Run {
                     "drafter starts at plan position {cursor} (optimiser step {step})"
                 );
                 self.metrics.reset_group();
+                self.drafter_resumed = true;
                 if cursor != self.committed_total || self.rewind_to.is_some() {
                     self.rewind_to = Some(cursor);
                 }
@@ -1337,6 +1362,15 @@ impl Run {
                 });
                 self.reclaim(i);
                 let w = &mut self.workers[i];
+                if w.role == Role::Drafter {
+                    self.drafter_resumed = false;
+                    if self.stopping.is_some() && self.config.dflash.is_some() && !status.success()
+                    {
+                        self.final_checkpoint_lost = Some(format!(
+                            "the drafter ({reason}) may not have written its final checkpoint: `launch --resume` replays from its latest checkpoint and finishes"
+                        ));
+                    }
+                }
                 if self.stopping.is_some() {
                     w.state = WorkerState::Stopped;
                     continue;

@@ -263,47 +263,51 @@ impl Drafter {
             })
             .collect();
         let ctx_mask = Tensor::from_vec(visible, (a, 1, 1, s), dev)?;
+        // `[a, b, in] x W[out, in]^T` as one flat matmul (no per-anchor copies of the weights).
+        let linear = |t: &Tensor, w: &Tensor| -> candle_core::Result<Tensor> {
+            let (a, b, inp) = t.dims3()?;
+            t.reshape((a * b, inp))?
+                .matmul(&w.t()?)?
+                .reshape((a, b, w.dim(0)?))
+        };
         let group = c.heads / c.kv_heads;
+        // Repeats key/value heads for grouped-query attention: [kv, n, d] -> [heads, n, d].
+        let repeat = |t: Tensor, n: usize| -> candle_core::Result<Tensor> {
+            if group == 1 {
+                return Ok(t);
+            }
+            t.unsqueeze(1)?
+                .broadcast_as((c.kv_heads, group, n, d))?
+                .reshape((c.heads, n, d))
+        };
+        let scale = (d as f64).sqrt();
         for i in 0..c.layers {
             let p = |n: &str| format!("layers.{i}.{n}");
             let w = |n: &str| self.get(&p(n));
             let hn = rms_norm(&x, w("input_layernorm.weight"), eps)?;
             // Queries from the block [a, heads, b, d].
-            let q = hn.matmul(
-                &w("self_attn.q_proj.weight")
-                    .t()?
-                    .unsqueeze(0)?
-                    .broadcast_as((a, h, c.heads * d))?
-                    .contiguous()?,
-            )?;
-            let q = q.reshape((a, b, c.heads, d))?;
+            let q = linear(&hn, w("self_attn.q_proj.weight"))?.reshape((a, b, c.heads, d))?;
             let q = rms_norm(&q, w("self_attn.q_norm.weight"), eps)?.transpose(1, 2)?;
             let q = (q.broadcast_mul(&cos_b.unsqueeze(1)?)?
                 + rotate_half(&q)?.broadcast_mul(&sin_b.unsqueeze(1)?)?)?;
-            // Keys and values of the block [a, kv, b, d] and of the context [kv, s, d].
-            let kb = hn.matmul(
-                &w("self_attn.k_proj.weight")
-                    .t()?
-                    .unsqueeze(0)?
-                    .broadcast_as((a, h, c.kv_heads * d))?
-                    .contiguous()?,
-            )?;
-            let vb = hn.matmul(
-                &w("self_attn.v_proj.weight")
-                    .t()?
-                    .unsqueeze(0)?
-                    .broadcast_as((a, h, c.kv_heads * d))?
-                    .contiguous()?,
-            )?;
-            let kb = rms_norm(
-                &kb.reshape((a, b, c.kv_heads, d))?,
-                w("self_attn.k_norm.weight"),
-                eps,
-            )?
-            .transpose(1, 2)?;
+            // Keys and values of the block [a, heads, b, d].
+            let kb = linear(&hn, w("self_attn.k_proj.weight"))?.reshape((a, b, c.kv_heads, d))?;
+            let kb = rms_norm(&kb, w("self_attn.k_norm.weight"), eps)?.transpose(1, 2)?;
             let kb = (kb.broadcast_mul(&cos_b.unsqueeze(1)?)?
                 + rotate_half(&kb)?.broadcast_mul(&sin_b.unsqueeze(1)?)?)?;
-            let vb = vb.reshape((a, b, c.kv_heads, d))?.transpose(1, 2)?;
+            let vb = linear(&hn, w("self_attn.v_proj.weight"))?
+                .reshape((a, b, c.kv_heads, d))?
+                .transpose(1, 2)?;
+            let rep_b = |t: Tensor| -> candle_core::Result<Tensor> {
+                if group == 1 {
+                    return t.contiguous();
+                }
+                t.unsqueeze(2)?
+                    .broadcast_as((a, c.kv_heads, group, b, d))?
+                    .reshape((a, c.heads, b, d))
+            };
+            let (kb, vb) = (rep_b(kb)?, rep_b(vb)?);
+            // Keys and values of the context [heads, s, d], shared by every block.
             let kc = ctx.matmul(&w("self_attn.k_proj.weight").t()?)?;
             let vc = ctx.matmul(&w("self_attn.v_proj.weight").t()?)?;
             let kc = rms_norm(
@@ -315,54 +319,39 @@ impl Drafter {
             let kc = (kc.broadcast_mul(&cos_c.unsqueeze(0)?)?
                 + rotate_half(&kc)?.broadcast_mul(&sin_c.unsqueeze(0)?)?)?;
             let vc = vc.reshape((s, c.kv_heads, d))?.transpose(0, 1)?;
-            // Grouped-query attention: repeat key/value heads.
-            let rep_b = |t: Tensor| -> candle_core::Result<Tensor> {
-                t.unsqueeze(2)?
-                    .broadcast_as((a, c.kv_heads, group, b, d))?
-                    .reshape((a, c.heads, b, d))
-            };
-            let rep_c = |t: Tensor| -> candle_core::Result<Tensor> {
-                t.unsqueeze(1)?
-                    .broadcast_as((c.kv_heads, group, s, d))?
-                    .reshape((c.heads, s, d))?
-                    .unsqueeze(0)?
-                    .broadcast_as((a, c.heads, s, d))?
-                    .contiguous()
-            };
-            let (kb, vb, kc, vc) = (rep_b(kb)?, rep_b(vb)?, rep_c(kc)?, rep_c(vc)?);
-            let scale = (d as f64).sqrt();
-            let s_ctx = (q.contiguous()?.matmul(&kc.t()?)? / scale)?.broadcast_add(&ctx_mask)?;
-            let s_blk = (q.contiguous()?.matmul(&kb.contiguous()?.t()?)? / scale)?;
+            let (kc, vc) = (repeat(kc, s)?.contiguous()?, repeat(vc, s)?.contiguous()?);
+            // Scores against the context, all blocks in one matmul per head: [a, heads, b, s].
+            let q = q.contiguous()?;
+            let q_flat = q
+                .transpose(0, 1)?
+                .contiguous()?
+                .reshape((c.heads, a * b, d))?;
+            let s_ctx = (q_flat.matmul(&kc.t()?)? / scale)?
+                .reshape((c.heads, a, b, s))?
+                .transpose(0, 1)?
+                .broadcast_add(&ctx_mask)?;
+            let s_blk = (q.matmul(&kb.t()?)? / scale)?;
             let probs =
                 candle_nn::ops::softmax(&Tensor::cat(&[&s_ctx, &s_blk], D::Minus1)?, D::Minus1)?;
-            let values = Tensor::cat(&[&vc, &vb.contiguous()?], 2)?;
-            let attn = probs
-                .matmul(&values)?
+            let p_ctx = probs
+                .narrow(D::Minus1, 0, s)?
+                .transpose(0, 1)?
+                .contiguous()?
+                .reshape((c.heads, a * b, s))?;
+            let attn_ctx = p_ctx
+                .matmul(&vc)?
+                .reshape((c.heads, a, b, d))?
+                .transpose(0, 1)?;
+            let attn_blk = probs.narrow(D::Minus1, s, b)?.contiguous()?.matmul(&vb)?;
+            let attn = (attn_ctx + attn_blk)?
                 .transpose(1, 2)?
                 .reshape((a, b, c.heads * d))?;
-            let o = attn.matmul(
-                &w("self_attn.o_proj.weight")
-                    .t()?
-                    .unsqueeze(0)?
-                    .broadcast_as((a, c.heads * d, h))?
-                    .contiguous()?,
-            )?;
-            x = (x + o)?;
+            x = (x + linear(&attn, w("self_attn.o_proj.weight"))?)?;
             let n = rms_norm(&x, w("post_attention_layernorm.weight"), eps)?;
-            let lin =
-                |t: &Tensor, name: &str, inp: usize, out: usize| -> candle_core::Result<Tensor> {
-                    t.matmul(
-                        &w(name)
-                            .t()?
-                            .unsqueeze(0)?
-                            .broadcast_as((a, inp, out))?
-                            .contiguous()?,
-                    )
-                };
-            let gate = lin(&n, "mlp.gate_proj.weight", h, c.intermediate)?;
-            let up = lin(&n, "mlp.up_proj.weight", h, c.intermediate)?;
+            let gate = linear(&n, w("mlp.gate_proj.weight"))?;
+            let up = linear(&n, w("mlp.up_proj.weight"))?;
             let act = (gate.clone() * candle_nn::ops::sigmoid(&gate)?)?;
-            x = (x + lin(&(act * up)?, "mlp.down_proj.weight", c.intermediate, h)?)?;
+            x = (x + linear(&(act * up)?, w("mlp.down_proj.weight"))?)?;
         }
         let x = rms_norm(&x, self.get("norm.weight"), eps)?;
         let logits = x.reshape((a * b, h))?.matmul(&lm_head.t()?)?;
