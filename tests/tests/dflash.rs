@@ -151,6 +151,18 @@ fn wait_between_checkpoints(run_dir: &Path) {
     );
 }
 
+/// `launch --resume` of the run in `run_dir`, in the background.
+fn resume(run_dir: &Path) -> Child {
+    Command::new(bin("dflash-orch"))
+        .args(["launch", "--resume", "--run-dir"])
+        .arg(run_dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
 fn kill_and_wait(child: &mut Child) {
     child.kill().unwrap();
     child.wait().unwrap();
@@ -195,15 +207,7 @@ fn orchestrator_sigkill_then_resume_ends_with_identical_weights() {
     let mut child = launch(&run_dir, &target).spawn().unwrap();
     wait_between_checkpoints(&run_dir);
     kill_and_wait(&mut child);
-    let resumed = Command::new(bin("dflash-orch"))
-        .args(["launch", "--resume", "--run-dir"])
-        .arg(&run_dir)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    finish(resumed);
+    finish(resume(&run_dir));
     assert_eq!(journal_events(&run_dir, "resume").len(), 1);
     assert!(
         !journal_events(&run_dir, "rewind").is_empty(),
@@ -260,15 +264,7 @@ fn resume_after_the_last_commit_replays_from_the_checkpoint() {
     steps.sort_unstable();
     fs::write(checkpoints.join("latest"), format!("step-{}", steps[0])).unwrap();
     fs::remove_dir_all(checkpoints.join(format!("step-{}", steps[1]))).unwrap();
-    let resumed = Command::new(bin("dflash-orch"))
-        .args(["launch", "--resume", "--run-dir"])
-        .arg(&run_dir)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    finish(resumed);
+    finish(resume(&run_dir));
     assert_eq!(journal_events(&run_dir, "rewind").len(), 1);
     assert_eq!(
         journal_events(&run_dir, "end").last().unwrap()["status"],

@@ -23,6 +23,7 @@ use clap::Parser;
 use dflash_worker::dflash::sample_anchors;
 use dflash_worker::model::drafter::{Drafter, DrafterConfig};
 use dflash_worker::model::qwen3::{self, Qwen3};
+use dflash_worker::rng::SplitMix64;
 use dflash_worker::train::{Accumulator, AdamW, AdamWConfig, Schedule, clip_grad_norm};
 use serde_json::json;
 
@@ -77,19 +78,6 @@ struct Args {
     /// Also write the drafter's initial weights here (safetensors, its parameter names).
     #[arg(long, value_name = "PATH")]
     dump_init: Option<PathBuf>,
-}
-
-/// SplitMix64, for the benchmark's token ids.
-struct Mix(u64);
-
-impl Mix {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
 }
 
 fn median(values: &[f64]) -> f64 {
@@ -164,11 +152,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // The batch: random token ids below the mask token, a prompt without loss, then loss.
     let vocab = target.vocab_size as u64;
-    let mut mix = Mix(args.seed ^ 0x5EED_7070_4B3E_0001);
+    let mut mix = SplitMix64(args.seed ^ 0x5EED_7070_4B3E_0001);
     let lengths = vec![args.seq; args.batch];
     let total: usize = lengths.iter().sum();
     let tokens: Vec<u32> = (0..total)
-        .map(|_| (mix.next() % (vocab - 1)) as u32)
+        .map(|_| (mix.next_u64() % (vocab - 1)) as u32)
         .collect();
     let masks: Vec<u8> = (0..total)
         .map(|i| u8::from(i % args.seq >= args.prompt))

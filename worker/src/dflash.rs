@@ -21,7 +21,8 @@ use dflash_common::wire::{BatchId, Group, SlotRef, TrainMetrics, Update};
 use crate::checkpoint::{self, TrainingState};
 use crate::model::drafter::{Drafter, DrafterConfig};
 use crate::model::qwen3::{self, Qwen3};
-use crate::stage::{Stage, check_assigned, check_written};
+use crate::rng::SplitMix64;
+use crate::stage::{Stage, check_written, claim};
 use crate::train::{Accumulator, AdamW, AdamWConfig, Schedule, clip_grad_norm};
 
 /// Reads the run's DFlash settings (written by the orchestrator).
@@ -140,10 +141,7 @@ impl Stage for TargetStage {
         features: &mut Ring,
         out: SlotRef,
     ) -> Result<(), String> {
-        let meta = input
-            .check(at.slot, at.generation)
-            .map_err(|e| e.to_string())?;
-        check_assigned(features, out)?;
+        let meta = claim(input, at, features, out)?;
         let data = input.data(at.slot);
         let lengths = read_lengths(data, &meta)?;
         let mut tokens = Vec::with_capacity(meta.tokens as usize);
@@ -193,37 +191,14 @@ impl Stage for TargetStage {
     }
 }
 
-/// A SplitMix64 stream for the anchors of one sequence of one step.
-struct StepRng(u64);
-
-impl StepRng {
-    fn new(seed: u64, step: u64, sequence: u64) -> Self {
-        let mut r = StepRng(seed ^ 0xD1F1_A5B0_0000_0000);
-        for word in [step, sequence] {
-            r.0 ^= word;
-            r.0 = r.next();
-        }
-        r
+/// The generator of the anchors of one sequence of one step.
+fn step_rng(seed: u64, step: u64, sequence: u64) -> SplitMix64 {
+    let mut r = SplitMix64(seed ^ 0xD1F1_A5B0_0000_0000);
+    for word in [step, sequence] {
+        r.0 ^= word;
+        r.0 = r.next_u64();
     }
-
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `0..n` (n > 0), by rejection (no modulo bias).
-    fn below(&mut self, n: u64) -> u64 {
-        let zone = u64::MAX - u64::MAX % n;
-        loop {
-            let x = self.next();
-            if x < zone {
-                return x % n;
-            }
-        }
-    }
+    r
 }
 
 /// Up to `count` anchors of a sequence, sorted: distinct positions whose loss mask is set and
@@ -239,7 +214,7 @@ pub fn sample_anchors(
         .filter(|&p| mask[p] != 0)
         .collect();
     let take = count.min(eligible.len());
-    let mut rng = StepRng::new(seed, step, sequence);
+    let mut rng = step_rng(seed, step, sequence);
     for i in 0..take {
         let j = i + rng.below((eligible.len() - i) as u64) as usize;
         eligible.swap(i, j);

@@ -8,6 +8,7 @@
 pub mod checkpoint;
 pub mod dflash;
 pub mod model;
+pub mod rng;
 pub mod stage;
 pub mod train;
 

@@ -40,8 +40,12 @@ pub trait Stage {
     }
 }
 
-/// Checks that the orchestrator still assigns feature slot `out` to this job.
-pub fn check_assigned(features: &Ring, out: SlotRef) -> Result<(), String> {
+/// Checks a forward job's slots: input slot `at` holds the batch of the expected generation, and
+/// feature slot `out` is still assigned to this job. Returns the batch's shape.
+pub fn claim(input: &Ring, at: SlotRef, features: &Ring, out: SlotRef) -> Result<SlotMeta, String> {
+    let meta = input
+        .check(at.slot, at.generation)
+        .map_err(|e| e.to_string())?;
     if features.generation(out.slot) != out.generation {
         return Err(format!(
             "feature slot {} was reassigned (generation {}, expected {})",
@@ -50,7 +54,7 @@ pub fn check_assigned(features: &Ring, out: SlotRef) -> Result<(), String> {
             out.generation
         ));
     }
-    Ok(())
+    Ok(meta)
 }
 
 /// Checks that feature slot `at` holds finished features of the expected generation.
@@ -94,10 +98,7 @@ impl Stage for Synthetic {
         out: SlotRef,
     ) -> Result<(), String> {
         let started = Instant::now();
-        let meta = input
-            .check(at.slot, at.generation)
-            .map_err(|e| e.to_string())?;
-        check_assigned(features, out)?;
+        let meta = claim(input, at, features, out)?;
         let mut tokens = Vec::with_capacity(meta.tokens as usize);
         read_tokens(input.data(at.slot), &meta, &mut tokens)?;
         let data = features.data_mut(out.slot);

@@ -15,6 +15,7 @@
 use candle_core::{D, DType, Device, Tensor, Var};
 
 use super::rotate_half;
+use crate::rng::SplitMix64;
 
 /// The drafter's shape and training constants.
 #[derive(Debug, Clone, PartialEq)]
@@ -53,25 +54,6 @@ pub struct Param {
 pub struct Drafter {
     pub config: DrafterConfig,
     pub params: Vec<Param>,
-}
-
-/// A small deterministic generator for weight initialisation (SplitMix64 + Box-Muller).
-struct InitRng(u64);
-
-impl InitRng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn normal(&mut self) -> f64 {
-        let u1 = 1.0 - (self.next() >> 11) as f64 / (1u64 << 53) as f64;
-        let u2 = (self.next() >> 11) as f64 / (1u64 << 53) as f64;
-        (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
-    }
 }
 
 fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
@@ -161,7 +143,7 @@ impl Drafter {
             ]);
         }
         shapes.push(("norm.weight".into(), vec![h], true));
-        let mut rng = InitRng(seed);
+        let mut rng = SplitMix64(seed);
         let params = shapes
             .into_iter()
             .map(|(name, shape, is_norm)| {
@@ -411,7 +393,7 @@ mod tests {
             vocab: 50,
         };
         let drafter = Drafter::new(config, 7, &dev).unwrap();
-        let mut rng = InitRng(99);
+        let mut rng = SplitMix64(99);
         let mut randn = |shape: (usize, usize)| {
             let v: Vec<f32> = (0..shape.0 * shape.1)
                 .map(|_| rng.normal() as f32)
