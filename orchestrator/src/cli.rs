@@ -48,6 +48,12 @@ pub enum Command {
     Clean(commands::clean::CleanArgs),
     /// Write a small random-weight Qwen3 target (for tests and the demo; no downloads).
     InitTiny(commands::init_tiny::InitTinyArgs),
+    /// A live terminal view of every worker: state, GPU power and utilization, throughput,
+    /// restarts; restart the selected worker with a key.
+    Top(commands::top::TopArgs),
+    /// Write one self-contained HTML page about a run: loss and accuracy, throughput, buckets, GPU
+    /// power and utilization, restarts.
+    Report(commands::report::ReportArgs),
     /// Train a DFlash drafter end to end on this machine's CPUs: tiny target, generated
     /// conversations, prepare, launch, final figures (a few minutes; no GPU, no downloads).
     Demo(commands::demo::DemoArgs),
@@ -159,6 +165,8 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::Clean(args) => commands::clean::run(args),
         Command::InitTiny(args) => commands::init_tiny::run(args),
         Command::Demo(args) => commands::demo::run(args),
+        Command::Top(args) => commands::top::run(args),
+        Command::Report(args) => commands::report::run(args),
     }
 }
 

@@ -8,6 +8,7 @@ pub mod cli;
 pub mod commands;
 pub mod fsutil;
 pub mod ingest;
+pub mod observe;
 pub mod parallel;
 mod parsers_never_panic;
 pub mod planner;

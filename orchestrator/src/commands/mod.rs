@@ -7,6 +7,8 @@ pub mod inspect;
 pub mod launch;
 pub mod plan;
 pub mod prepare;
+pub mod report;
 pub mod restart;
 pub mod status;
 pub mod stop;
+pub mod top;

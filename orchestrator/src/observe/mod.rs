@@ -1,0 +1,3 @@
+//! Observability: the GPU monitor, the metric sinks (JSON lines, TensorBoard, Prometheus).
+
+pub mod tensorboard;
