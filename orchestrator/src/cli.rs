@@ -37,7 +37,7 @@ pub enum Command {
     /// Plan the batches of one epoch and show what they look like (buckets, padding, runs).
     Plan(commands::plan::PlanArgs),
     /// Start a run (or resume one): one worker per GPU, fed through shared memory.
-    Launch(commands::launch::LaunchArgs),
+    Launch(Box<commands::launch::LaunchArgs>),
     /// Show the live run: progress and every worker's state.
     Status(commands::status::StatusArgs),
     /// Restart one worker of the live run.
@@ -158,7 +158,7 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::Prepare(args) => commands::prepare::run(args),
         Command::Inspect(args) => commands::inspect::run(args),
         Command::Plan(args) => commands::plan::run(args),
-        Command::Launch(args) => commands::launch::run(args),
+        Command::Launch(args) => commands::launch::run(*args),
         Command::Status(args) => commands::status::run(args),
         Command::Restart(args) => commands::restart::run(args),
         Command::Stop(args) => commands::stop::run(args),

@@ -330,12 +330,14 @@ fn checkpoints_load_with_python_safetensors_and_metrics_are_recorded() {
         config["dflash_config"]["target_layer_ids"],
         serde_json::json!([2])
     );
-    // One metrics line per optimiser step, the last step at the end of the schedule.
+    // One training line per optimiser step, the last step at the end of the schedule.
     let lines: Vec<Value> = fs::read_to_string(run.run_dir.join("metrics.jsonl"))
         .unwrap()
         .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter(|l| l["kind"] == "train")
         .collect();
+    assert!(!lines.is_empty());
     let steps: Vec<u64> = lines.iter().map(|l| l["step"].as_u64().unwrap()).collect();
     assert_eq!(steps, (1..=lines.len() as u64).collect::<Vec<_>>());
     assert!(lines.iter().all(|l| l["loss"].as_f64().unwrap().is_finite()

@@ -67,6 +67,16 @@ pub struct LaunchArgs {
     #[arg(long, value_name = "SECS", default_value_t = 30.0)]
     pub heartbeat_timeout: f64,
 
+    /// Seconds between monitor readings: GPU power, utilization, memory, temperature, clocks and
+    /// throttling through NVML, and every worker's CPU and memory.
+    #[arg(long, value_name = "SECS", default_value_t = 1.0)]
+    pub monitor_interval: f64,
+
+    /// Serve Prometheus metrics on GET /metrics at PORT (on 127.0.0.1) or HOST:PORT (port 0
+    /// picks a free one; `status` shows it).
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_addr: Option<String>,
+
     /// Continue the run in --run-dir from its journal (its options come from the journal).
     #[arg(long)]
     pub resume: bool,
@@ -170,6 +180,14 @@ impl DflashFlags {
 }
 
 pub fn run(args: LaunchArgs) -> Result<(), CliError> {
+    if !(args.monitor_interval >= 0.05 && args.monitor_interval.is_finite()) {
+        return Err(CliError::Invalid(
+            "--monitor-interval must be at least 0.05 seconds".into(),
+        ));
+    }
+    if let Some(addr) = &args.metrics_addr {
+        crate::observe::prom::parse_addr(addr).map_err(CliError::Invalid)?;
+    }
     if !(args.heartbeat_timeout > 0.0 && args.heartbeat_timeout.is_finite()) {
         return Err(CliError::Invalid(
             "--heartbeat-timeout must be positive".into(),
@@ -191,6 +209,8 @@ pub fn run(args: LaunchArgs) -> Result<(), CliError> {
             restart_window_s: 0.0,
             heartbeat_timeout_s: 0.0,
             heartbeat_ms: 0,
+            monitor_interval_s: 1.0,
+            metrics_addr: None,
             dflash: None,
         }
     } else {
@@ -229,6 +249,8 @@ pub fn run(args: LaunchArgs) -> Result<(), CliError> {
             restart_window_s: args.restart_window,
             heartbeat_timeout_s: args.heartbeat_timeout,
             heartbeat_ms: ((args.heartbeat_timeout * 1000.0 / 10.0) as u64).clamp(20, 1000),
+            monitor_interval_s: args.monitor_interval,
+            metrics_addr: args.metrics_addr.clone(),
             dflash,
         }
     };

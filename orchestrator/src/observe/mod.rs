@@ -1,3 +1,7 @@
-//! Observability: the GPU monitor, the metric sinks (JSON lines, TensorBoard, Prometheus).
+//! Observability: the GPU and process monitor, and the metric sinks (JSON lines, TensorBoard,
+//! Prometheus).
 
+pub mod gpu;
+pub mod monitor;
+pub mod prom;
 pub mod tensorboard;

@@ -1,6 +1,8 @@
-//! Training metrics: `RUN_DIR/metrics.jsonl`, one line per optimiser step, summed from the
-//! drafter's micro-batch reports. A replay after a drafter restart writes its steps again; the
-//! last line of a step is the one that counts.
+//! The run's metrics, to every sink at once: `RUN_DIR/metrics.jsonl` (always), TensorBoard event
+//! files under `RUN_DIR/tb/` (always) and the Prometheus endpoint (with `--metrics-addr`). Line
+//! kinds and fields are documented in docs/metrics.md. Training lines are summed from the drafter's
+//! micro-batch reports, one per optimiser step; a replay after a drafter restart writes its steps
+//! again, and the last line of a step is the one that counts.
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
@@ -9,7 +11,43 @@ use std::path::Path;
 use dflash_common::wire::TrainMetrics;
 use serde_json::{Value, json};
 
+use crate::observe::gpu::{GpuOwner, GpuSample};
+use crate::observe::monitor::ProcessSample;
+use crate::observe::prom::{GpuLabels, Prom, WorkerLabels};
+use crate::observe::tensorboard::TbWriter;
+
 pub const FILE: &str = "metrics.jsonl";
+/// TensorBoard's directory in the run directory.
+pub const TB_DIR: &str = "tb";
+
+fn now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// One committed batch, for the `batch` line.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct BatchRecord {
+    pub epoch: u32,
+    pub batch: u64,
+    pub step: u64,
+    pub bucket: u16,
+    pub samples: u32,
+    pub real_tokens: u64,
+    pub padded_tokens: u64,
+    pub mean_len: f64,
+    pub max_len: u32,
+    pub wait_s: f64,
+    pub compute_s: f64,
+    pub tokens_per_s: f64,
+    pub padded_tokens_per_s: f64,
+    pub padding_efficiency: f64,
+    pub input_ring_occupancy: f64,
+    pub feature_ring_occupancy: f64,
+    pub restarts: u64,
+    pub bucket_batches: Vec<u64>,
+}
 
 #[derive(Default)]
 struct Group {
@@ -20,12 +58,16 @@ struct Group {
     compute_s: f64,
 }
 
-/// Accumulates a group's micro-batches and writes a line per optimiser step.
+/// The sinks, and the group of micro-batches being summed.
 pub struct Metrics {
     file: File,
+    tb: Option<TbWriter>,
+    pub prom: Option<Prom>,
     group: Group,
     /// The newest step line.
     pub last: Option<Value>,
+    /// Monitor ticks written, the step of the `gpu*/` and `worker*/` scalars.
+    ticks: i64,
 }
 
 /// Simulated acceptance length of a block: the expected number of draft tokens accepted in a
@@ -41,15 +83,193 @@ pub fn acceptance_length(accuracy: &[f64]) -> f64 {
 }
 
 impl Metrics {
-    pub fn open(run_dir: &Path) -> io::Result<Self> {
+    /// Opens the sinks of the run in `run_dir`; `prom` is the endpoint, if one was asked for.
+    pub fn open(run_dir: &Path, prom: Option<Prom>) -> io::Result<Self> {
+        let tb = match TbWriter::create(&run_dir.join(TB_DIR)) {
+            Ok(tb) => Some(tb),
+            Err(e) => {
+                tracing::warn!("no TensorBoard events for this run: {e}");
+                None
+            }
+        };
         Ok(Self {
             file: OpenOptions::new()
                 .create(true)
                 .append(true)
                 .open(run_dir.join(FILE))?,
+            tb,
+            prom,
             group: Group::default(),
             last: None,
+            ticks: 0,
         })
+    }
+
+    /// Appends one line to `metrics.jsonl`, with its kind and time.
+    fn line(&mut self, kind: &str, mut value: Value) -> io::Result<f64> {
+        let time = now();
+        if let Value::Object(m) = &mut value {
+            m.insert("kind".into(), json!(kind));
+            m.insert("time".into(), json!(time));
+        }
+        let mut text = serde_json::to_vec(&value).map_err(io::Error::other)?;
+        text.push(b'\n');
+        self.file.write_all(&text)?;
+        Ok(time)
+    }
+
+    /// TensorBoard scalars; a failing writer is dropped with a warning (the run goes on).
+    fn scalars(&mut self, step: i64, time: f64, values: &[(&str, f64)]) {
+        let Some(tb) = self.tb.as_mut() else { return };
+        for (tag, value) in values {
+            if value.is_finite()
+                && let Err(e) = tb.scalar(tag, step, *value, time)
+            {
+                tracing::warn!("TensorBoard events stopped: {e}");
+                self.tb = None;
+                return;
+            }
+        }
+    }
+
+    /// Flushes the buffered sinks (each monitor tick and at the end).
+    pub fn flush(&mut self) {
+        if let Some(tb) = self.tb.as_mut()
+            && let Err(e) = tb.flush()
+        {
+            tracing::warn!("TensorBoard events stopped: {e}");
+            self.tb = None;
+        }
+    }
+
+    /// A committed batch.
+    pub fn batch(&mut self, r: &BatchRecord) -> io::Result<()> {
+        let time = self.line("batch", serde_json::to_value(r).map_err(io::Error::other)?)?;
+        let mut values = vec![
+            ("pipeline/tokens_per_s", r.tokens_per_s),
+            ("pipeline/padded_tokens_per_s", r.padded_tokens_per_s),
+            ("pipeline/padding_efficiency", r.padding_efficiency),
+            ("pipeline/batch_mean_len", r.mean_len),
+            ("pipeline/batch_max_len", f64::from(r.max_len)),
+            ("pipeline/bucket", f64::from(r.bucket)),
+            ("pipeline/wait_s", r.wait_s),
+            ("pipeline/compute_s", r.compute_s),
+            ("pipeline/input_ring_occupancy", r.input_ring_occupancy),
+            ("pipeline/feature_ring_occupancy", r.feature_ring_occupancy),
+            ("pipeline/restarts", r.restarts as f64),
+        ];
+        let bucket_tags: Vec<String> = (0..r.bucket_batches.len())
+            .map(|k| format!("pipeline/bucket_{k}_batches"))
+            .collect();
+        for (tag, &n) in bucket_tags.iter().zip(&r.bucket_batches) {
+            values.push((tag, n as f64));
+        }
+        self.scalars(r.step as i64, time, &values);
+        if let Some(p) = &self.prom {
+            p.set("dflash_committed_steps", (r.step + 1) as f64);
+            p.set("dflash_epoch", f64::from(r.epoch));
+            p.set("dflash_tokens_per_second", r.tokens_per_s);
+            p.set("dflash_padded_tokens_per_second", r.padded_tokens_per_s);
+            p.set("dflash_padding_efficiency_ratio", r.padding_efficiency);
+            p.set("dflash_input_ring_occupancy_ratio", r.input_ring_occupancy);
+            p.set(
+                "dflash_feature_ring_occupancy_ratio",
+                r.feature_ring_occupancy,
+            );
+            for (k, &n) in r.bucket_batches.iter().enumerate() {
+                p.bucket_batches
+                    .get_or_create(&crate::observe::prom::BucketLabels {
+                        bucket: k.to_string(),
+                    })
+                    .set(n as f64);
+            }
+        }
+        Ok(())
+    }
+
+    /// One monitor tick's readings.
+    pub fn monitor(
+        &mut self,
+        gpus: &[(GpuSample, GpuOwner)],
+        processes: &[ProcessSample],
+    ) -> io::Result<()> {
+        let step = self.ticks;
+        self.ticks += 1;
+        for (s, owner) in gpus {
+            let mut v = serde_json::to_value(s).map_err(io::Error::other)?;
+            if let Value::Object(m) = &mut v {
+                m.insert("worker".into(), json!(owner.worker));
+                m.insert("role".into(), json!(owner.role));
+            }
+            let time = self.line("gpu", v)?;
+            let tags: Vec<(String, Option<f64>)> = [
+                ("power_w", s.power_w),
+                ("utilization_pct", s.utilization_pct.map(f64::from)),
+                ("memory_used_bytes", s.memory_used_bytes.map(|b| b as f64)),
+                ("temperature_c", s.temperature_c.map(f64::from)),
+                ("sm_clock_mhz", s.sm_clock_mhz.map(f64::from)),
+            ]
+            .into_iter()
+            .map(|(name, v)| (format!("gpu{}/{name}", s.gpu), v))
+            .collect();
+            let values: Vec<(&str, f64)> = tags
+                .iter()
+                .filter_map(|(t, v)| v.map(|v| (t.as_str(), v)))
+                .collect();
+            self.scalars(step, time, &values);
+            if let Some(p) = &self.prom {
+                p.gpu(
+                    &GpuLabels {
+                        gpu: s.gpu.to_string(),
+                        worker: owner.worker.to_string(),
+                        role: owner.role.into(),
+                    },
+                    s,
+                );
+            }
+        }
+        for p in processes {
+            let time = self.line(
+                "process",
+                serde_json::to_value(p).map_err(io::Error::other)?,
+            )?;
+            let cpu = format!("worker{}/cpu_pct", p.worker);
+            let rss = format!("worker{}/rss_bytes", p.worker);
+            self.scalars(step, time, &[(&cpu, p.cpu_pct), (&rss, p.rss_bytes as f64)]);
+            if let Some(prom) = &self.prom {
+                let labels = WorkerLabels {
+                    worker: p.worker.to_string(),
+                    role: p.role.into(),
+                };
+                prom.worker_cpu
+                    .get_or_create(&labels)
+                    .set(p.cpu_pct / 100.0);
+                prom.worker_rss
+                    .get_or_create(&labels)
+                    .set(p.rss_bytes as f64);
+            }
+        }
+        self.flush();
+        Ok(())
+    }
+
+    /// Something that happened: a worker started or exited, a rewind, a warning.
+    pub fn event(
+        &mut self,
+        event: &str,
+        worker: Option<(u32, &str)>,
+        message: &str,
+    ) -> io::Result<()> {
+        self.line(
+            "event",
+            json!({
+                "event": event,
+                "worker": worker.map(|w| w.0),
+                "role": worker.map(|w| w.1),
+                "message": message,
+            }),
+        )?;
+        Ok(())
     }
 
     /// Adds a micro-batch of `tokens` real tokens; at the end of its group, writes and returns
@@ -87,11 +307,7 @@ impl Metrics {
             g.correct.iter().sum::<u64>() as f64,
             g.counted.iter().sum::<u64>().max(1) as f64,
         );
-        let time = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0.0, |d| d.as_secs_f64());
         let line = json!({
-            "time": time,
             "epoch": epoch,
             "step": update.step,
             "plan_step": plan_step,
@@ -106,9 +322,31 @@ impl Metrics {
             "compute_s": g.compute_s,
             "checkpoint": update.checkpoint,
         });
-        let mut text = serde_json::to_vec(&line).map_err(io::Error::other)?;
-        text.push(b'\n');
-        self.file.write_all(&text)?;
+        let time = self.line("train", line.clone())?;
+        let mut values = vec![
+            ("train/loss", update.loss),
+            ("train/accuracy", correct / counted),
+            ("train/acceptance_length", acceptance_length(&accuracy)),
+            ("train/lr", update.lr),
+            ("train/grad_norm", update.grad_norm),
+        ];
+        let position_tags: Vec<String> = (1..=accuracy.len())
+            .map(|k| format!("train/accuracy_pos{k}"))
+            .collect();
+        for (tag, &a) in position_tags.iter().zip(&accuracy) {
+            values.push((tag, a));
+        }
+        self.scalars(update.step as i64, time, &values);
+        if let Some(p) = &self.prom {
+            p.set("dflash_train_loss", update.loss);
+            p.set("dflash_train_accuracy", correct / counted);
+            p.set(
+                "dflash_train_acceptance_length",
+                acceptance_length(&accuracy),
+            );
+            p.set("dflash_train_learning_rate", update.lr);
+            p.set("dflash_train_grad_norm", update.grad_norm);
+        }
         self.last = Some(line.clone());
         Ok(Some(line))
     }
@@ -119,12 +357,13 @@ impl Metrics {
     }
 }
 
-/// Reads `metrics.jsonl`: the step lines, the last one of each step kept, in step order.
+/// Reads `metrics.jsonl`: the training step lines, the last one of each step kept, in step order.
 pub fn read(run_dir: &Path) -> io::Result<Vec<Value>> {
     let text = std::fs::read_to_string(run_dir.join(FILE))?;
     let mut steps = std::collections::BTreeMap::new();
     for line in text.lines() {
         if let Ok(v) = serde_json::from_str::<Value>(line)
+            && v["kind"] == "train"
             && let Some(step) = v["step"].as_u64()
         {
             steps.insert(step, v);

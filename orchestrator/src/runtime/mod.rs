@@ -49,9 +49,19 @@ pub struct RunConfig {
     pub restart_window_s: f64,
     pub heartbeat_timeout_s: f64,
     pub heartbeat_ms: u64,
+    /// Seconds between monitor readings (GPUs, worker processes).
+    #[serde(default = "default_monitor_interval")]
+    pub monitor_interval_s: f64,
+    /// The Prometheus endpoint's address (`--metrics-addr`).
+    #[serde(default)]
+    pub metrics_addr: Option<String>,
     /// The DFlash stage's settings (`--stage dflash`).
     #[serde(default)]
     pub dflash: Option<DflashSettings>,
+}
+
+fn default_monitor_interval() -> f64 {
+    1.0
 }
 
 /// The planner options, as text (how they are written on the command line).
@@ -252,6 +262,8 @@ struct Worker {
     restart_when_idle: bool,
     /// The next exit was asked for: restart at once, without counting it.
     exit_requested: bool,
+    /// Since when the worker has been ready and idle.
+    ready_since: Instant,
 }
 
 /// Resume point read from the journal.
@@ -307,7 +319,15 @@ struct Run {
     started: Instant,
     stopping: Option<Outcome>,
     scratch: Vec<u32>,
-    nvml: Result<nvml_wrapper::Nvml, String>,
+    monitor: crate::observe::monitor::Monitor,
+    /// Per batch of the epoch: the drafter's wait before it, when its job was sent, its compute.
+    timing: Vec<(f64, Option<Instant>, f64)>,
+    /// Commits of the last 10 s: (time, real tokens, padded tokens).
+    window: VecDeque<(Instant, u64, u64)>,
+    /// Real and padded tokens committed this session.
+    session_tokens: (u64, u64),
+    /// Batches dispatched per bucket this epoch.
+    bucket_batches: Vec<u64>,
 }
 
 /// The run directory's lock, held while the orchestrator lives.
@@ -365,15 +385,20 @@ fn shm_free() -> Option<u64> {
 }
 
 /// How many GPUs NVML reports, or why none.
-pub fn gpu_count(nvml: &Result<nvml_wrapper::Nvml, String>) -> Result<u32, String> {
+pub fn gpu_count(nvml: &Result<&'static nvml_wrapper::Nvml, String>) -> Result<u32, String> {
     match nvml {
         Ok(n) => n.device_count().map_err(|e| format!("NVML: {e}")),
         Err(why) => Err(why.clone()),
     }
 }
 
-pub fn init_nvml() -> Result<nvml_wrapper::Nvml, String> {
-    nvml_wrapper::Nvml::init().map_err(|e| format!("NVML not available: {e}"))
+/// NVML, loaded once per process (the monitor keeps using it for the run's life).
+pub fn init_nvml() -> Result<&'static nvml_wrapper::Nvml, String> {
+    static NVML: std::sync::OnceLock<Result<nvml_wrapper::Nvml, String>> =
+        std::sync::OnceLock::new();
+    NVML.get_or_init(|| nvml_wrapper::Nvml::init().map_err(|e| format!("NVML not available: {e}")))
+        .as_ref()
+        .map_err(Clone::clone)
 }
 
 /// Starts (or resumes) the run in `run_dir` and drives it to its end.
@@ -592,6 +617,36 @@ pub fn launch(
     std::fs::create_dir_all(&log_dir)
         .map_err(|e| RunError::Invalid(format!("{}: {e}", log_dir.display())))?;
 
+    let prom = config
+        .metrics_addr
+        .as_deref()
+        .map(|a| {
+            crate::observe::prom::parse_addr(a)
+                .and_then(|addr| crate::observe::prom::Prom::serve(addr, config.dflash.is_some()))
+        })
+        .transpose()
+        .map_err(RunError::Invalid)?;
+    let gpu_ids: Vec<u32> = devices
+        .iter()
+        .filter_map(|d| match d {
+            Device::Gpu(g) => Some(*g),
+            Device::Cpu(_) => None,
+        })
+        .collect();
+    let source: Result<Box<dyn crate::observe::gpu::GpuSource>, String> = match &nvml {
+        Ok(n) if !gpu_ids.is_empty() => {
+            Ok(Box::new(crate::observe::gpu::NvmlSource::new(n, &gpu_ids)))
+        }
+        Ok(_) => Err("CPU workers: no GPU telemetry".into()),
+        Err(why) => Err(why.clone()),
+    };
+    if let Err(why) = &source {
+        tracing::info!("no GPU telemetry ({why}): the monitor reports the workers' CPU and memory");
+    }
+    let monitor = crate::observe::monitor::Monitor::new(
+        source,
+        Duration::from_secs_f64(config.monitor_interval_s.max(0.01)),
+    );
     let (to_loop, inbox) = mpsc::channel();
     let listener = control::bind(run_dir_path)
         .map_err(|e| RunError::Invalid(format!("control socket: {e}")))?;
@@ -655,6 +710,7 @@ pub fn launch(
             restart_at: Some(Instant::now()),
             restart_when_idle: false,
             exit_requested: false,
+            ready_since: Instant::now(),
         })
         .collect();
     let launch = workers::Launch {
@@ -668,6 +724,7 @@ pub fn launch(
         dflash_config: dflash_file,
     };
     let plan = planner.plan_epoch(u64::from(start.epoch));
+    let planned = plan.batches.len();
     let mut run = Run {
         run_dir: run_dir_path.to_path_buf(),
         run_id,
@@ -685,7 +742,7 @@ pub fn launch(
         rewind_to: None,
         drafter_resumed: false,
         final_checkpoint_lost: None,
-        metrics: metrics::Metrics::open(run_dir_path)
+        metrics: metrics::Metrics::open(run_dir_path, prom)
             .map_err(|e| RunError::Invalid(format!("metrics: {e}")))?,
         session_start: start.step_base + start.batch as u64,
         last_progress: Instant::now(),
@@ -706,7 +763,11 @@ pub fn launch(
         started: Instant::now(),
         stopping: None,
         scratch: Vec::new(),
-        nvml,
+        monitor,
+        timing: vec![(0.0, None, 0.0); planned],
+        window: VecDeque::new(),
+        session_tokens: (0, 0),
+        bucket_batches: Vec::new(),
         config,
     };
     let new_epoch = start.batch == 0 && start.epoch < run.config.epochs;
@@ -756,11 +817,15 @@ impl Run {
                 self.stopping = Some(Outcome::Interrupted);
             }
             self.supervise()?;
+            if self.monitor.due() {
+                self.monitor_tick();
+            }
             if let Some(outcome) = self.stopping {
                 let deadline = *stop_deadline.get_or_insert_with(|| Instant::now() + STOP_GRACE);
                 self.wind_down(Instant::now() > deadline);
                 if self.workers.iter().all(|w| w.process.is_none()) {
                     self.progress(true);
+                    self.metrics.flush();
                     let mut outcome = outcome;
                     let reason = self.final_checkpoint_lost.take().inspect(|why| {
                         tracing::warn!("{why}");
@@ -858,6 +923,7 @@ impl Run {
             Event::Ready => {
                 if w.state == WorkerState::Starting || w.state == WorkerState::Busy {
                     w.state = WorkerState::Ready;
+                    w.ready_since = Instant::now();
                 }
                 if w.restart_when_idle || self.stopping.is_some() {
                     w.restart_when_idle = false;
@@ -921,6 +987,9 @@ impl Run {
                     )));
                 }
                 self.feature_slots[feature as usize] = FeatSlot::Trained(batch);
+                if let Some(t) = self.timing.get_mut(batch) {
+                    t.2 = t.1.map_or(0.0, |at| at.elapsed().as_secs_f64());
+                }
                 if let Some(m) = metrics {
                     self.record(batch_id, batch, &m)?;
                 }
@@ -969,6 +1038,10 @@ impl Run {
             })
             .map_err(|e| RunError::Failed(format!("journal: {e}")))?;
         self.tokens_committed += batch.real_tokens;
+        let record = self.batch_record(b);
+        self.metrics
+            .batch(&record)
+            .map_err(|e| RunError::Failed(format!("{}: {e}", metrics::FILE)))?;
         self.next_commit += 1;
         self.committed_total += 1;
         if self.next_commit == self.plan.batches.len() {
@@ -995,6 +1068,10 @@ impl Run {
         let n = self.plan.batches.len();
         self.batch_input = vec![u32::MAX; n];
         self.checksums = vec![0; n];
+        self.timing = vec![(0.0, None, 0.0); n];
+        if batch == 0 {
+            self.bucket_batches.clear();
+        }
         self.next_feed = batch;
         self.next_train = batch;
         self.next_commit = batch;
@@ -1047,12 +1124,129 @@ impl Run {
                 reason: format!("the drafter resumed from its checkpoint at step {cursor}"),
             })
             .map_err(|e| RunError::Failed(format!("journal: {e}")))?;
-        tracing::warn!(
+        let message = format!(
             "drafter resumed at plan position {cursor}: replaying {voided} batches from epoch {epoch} batch {batch}"
         );
+        tracing::warn!("{message}");
+        let _ = self.metrics.event("rewind", None, &message);
         self.epoch_sizes.truncate(epoch as usize + 1);
         self.enter(epoch, base, batch);
         Ok(())
+    }
+
+    /// The `batch` metrics of batch `b`, committed now.
+    fn batch_record(&mut self, b: usize) -> metrics::BatchRecord {
+        let batch = self.plan.batches[b];
+        // Padded: rows × longest row; packed: the batch's capacity (as the planner counts them).
+        let padded_tokens = match self.plan.layout {
+            PlanLayout::Padded => u64::from(batch.count) * u64::from(batch.max_len),
+            PlanLayout::Packed => self.config.planner.token_budget,
+        };
+        let now = Instant::now();
+        self.window
+            .push_back((now, batch.real_tokens, padded_tokens));
+        while self
+            .window
+            .front()
+            .is_some_and(|(t, ..)| now.duration_since(*t) > Duration::from_secs(10))
+        {
+            self.window.pop_front();
+        }
+        let span = self
+            .window
+            .front()
+            .map_or(0.0, |(t, ..)| now.duration_since(*t).as_secs_f64())
+            .max(self.started.elapsed().as_secs_f64().min(10.0))
+            .max(1e-3);
+        let (real, padded) = self
+            .window
+            .iter()
+            .fold((0, 0), |(r, p), (_, a, b)| (r + a, p + b));
+        self.session_tokens.0 += batch.real_tokens;
+        self.session_tokens.1 += padded_tokens;
+        let occupancy = |busy: usize, all: usize| busy as f64 / all.max(1) as f64;
+        let (wait_s, _, compute_s) = self.timing.get(b).copied().unwrap_or((0.0, None, 0.0));
+        metrics::BatchRecord {
+            epoch: self.epoch,
+            batch: b as u64,
+            step: self.step_base + b as u64,
+            bucket: batch.bucket,
+            samples: batch.count,
+            real_tokens: batch.real_tokens,
+            padded_tokens,
+            mean_len: batch.real_tokens as f64 / f64::from(batch.count.max(1)),
+            max_len: batch.max_len,
+            wait_s,
+            compute_s,
+            tokens_per_s: real as f64 / span,
+            padded_tokens_per_s: padded as f64 / span,
+            padding_efficiency: self.session_tokens.0 as f64 / self.session_tokens.1.max(1) as f64,
+            input_ring_occupancy: occupancy(
+                self.input_slots
+                    .iter()
+                    .filter(|s| **s != InSlot::Free)
+                    .count(),
+                self.input_slots.len(),
+            ),
+            feature_ring_occupancy: occupancy(
+                self.feature_slots
+                    .iter()
+                    .filter(|s| **s != FeatSlot::Free)
+                    .count(),
+                self.feature_slots.len(),
+            ),
+            restarts: self.workers.iter().map(|w| w.restarts).sum(),
+            bucket_batches: self.bucket_batches.clone(),
+        }
+    }
+
+    /// Reads the GPUs and the worker processes; writes the readings and any warning.
+    fn monitor_tick(&mut self) {
+        use crate::observe::gpu::GpuOwner;
+        let gpus: Vec<(u32, GpuOwner)> = self
+            .workers
+            .iter()
+            .filter_map(|w| match w.device {
+                Device::Gpu(g) => Some((
+                    g,
+                    GpuOwner {
+                        worker: w.id,
+                        role: w.role.name(),
+                    },
+                )),
+                Device::Cpu(_) => None,
+            })
+            .collect();
+        let processes: Vec<(u32, &'static str, u32)> = self
+            .workers
+            .iter()
+            .filter_map(|w| Some((w.id, w.role.name(), w.process.as_ref()?.pid)))
+            .collect();
+        let tick = self.monitor.tick(&gpus, &processes);
+        for warning in &tick.warnings {
+            tracing::warn!("{warning}");
+            let _ = self.metrics.event("warning", None, warning);
+        }
+        if let Err(e) = self.metrics.monitor(&tick.gpus, &tick.processes) {
+            tracing::warn!("{}: {e}", metrics::FILE);
+        }
+        if let Some(p) = &self.metrics.prom {
+            for w in &self.workers {
+                let labels = crate::observe::prom::WorkerLabels {
+                    worker: w.id.to_string(),
+                    role: w.role.name().into(),
+                };
+                p.worker_up
+                    .get_or_create(&labels)
+                    .set(if w.process.is_some() { 1.0 } else { 0.0 });
+                p.worker_batches
+                    .get_or_create(&labels)
+                    .set(w.batches_done as f64);
+                p.worker_restarts
+                    .get_or_create(&labels)
+                    .set(w.restarts as f64);
+            }
+        }
     }
 
     /// Records a drafter's report of a micro-batch.
@@ -1220,6 +1414,11 @@ impl Run {
                         continue;
                     };
                     self.queue.pop_front();
+                    let bucket = usize::from(self.plan.batches[batch].bucket);
+                    if self.bucket_batches.len() <= bucket {
+                        self.bucket_batches.resize(bucket + 1, 0);
+                    }
+                    self.bucket_batches[bucket] += 1;
                     let input = self.batch_input[batch];
                     self.input_slots[input as usize] = InSlot::Leased(batch);
                     self.feature_slots[feature] = FeatSlot::Forwarding(batch);
@@ -1258,6 +1457,13 @@ impl Run {
                         .position(|s| *s == FeatSlot::Ready(batch))
                         .expect("a batch to train has its features ready");
                     self.to_train.remove(&batch);
+                    if let Some(t) = self.timing.get_mut(batch) {
+                        *t = (
+                            self.workers[i].ready_since.elapsed().as_secs_f64(),
+                            Some(Instant::now()),
+                            0.0,
+                        );
+                    }
                     self.feature_slots[feature] = FeatSlot::Training(batch);
                     self.workers[i].lease = Some(Lease::Train {
                         batch,
@@ -1361,6 +1567,10 @@ impl Run {
                     reason: reason.clone(),
                 });
                 self.reclaim(i);
+                let w = &self.workers[i];
+                let _ = self
+                    .metrics
+                    .event("worker_exit", Some((w.id, w.role.name())), &reason);
                 let w = &mut self.workers[i];
                 if w.role == Role::Drafter {
                     self.drafter_resumed = false;
@@ -1430,6 +1640,11 @@ impl Run {
                     role: w.role.name().into(),
                     pid: process.pid,
                 });
+                let _ = self.metrics.event(
+                    "worker_start",
+                    Some((w.id, w.role.name())),
+                    &format!("pid {} on {}", process.pid, w.device),
+                );
                 w.process = Some(process);
                 w.state = WorkerState::Starting;
                 w.last_seen = now;
@@ -1530,6 +1745,8 @@ impl Run {
                     "restarts": w.restarts,
                     "last_exit": w.last_exit,
                     "heartbeat_age_s": w.process.as_ref().map(|_| now.duration_since(w.last_seen).as_secs_f64()),
+                    "cpu_pct": self.monitor.processes.get(&w.id).filter(|_| w.process.is_some()).map(|p| p.cpu_pct),
+                    "rss_bytes": self.monitor.processes.get(&w.id).filter(|_| w.process.is_some()).map(|p| p.rss_bytes),
                 });
                 let gpu = self.gpu_telemetry(w.device);
                 if let (Value::Object(m), Value::Object(g)) = (&mut v, gpu) {
@@ -1553,6 +1770,8 @@ impl Run {
                 "tokens_per_s": self.tokens_committed as f64 / uptime.max(1e-9),
                 "stage": self.config.stage,
                 "progress": self.progress_line(),
+                "metrics_addr": self.metrics.prom.as_ref().map(|p| p.addr.to_string()),
+                "gpu_unavailable": self.monitor.unavailable,
                 "training": self.metrics.last,
             },
             "workers": workers,
@@ -1569,20 +1788,21 @@ impl Run {
         let Device::Gpu(index) = device else {
             return null("CPU worker".into());
         };
-        let nvml = match &self.nvml {
-            Ok(n) => n,
-            Err(why) => return null(why.clone()),
-        };
-        let dev = match nvml.device_by_index(index) {
-            Ok(d) => d,
-            Err(e) => return null(format!("NVML: {e}")),
+        if let Some(why) = &self.monitor.unavailable {
+            return null(why.clone());
+        }
+        let Some(s) = self.monitor.gpus.get(&index) else {
+            return null("no reading yet".into());
         };
         json!({
-            "gpu_power_w": dev.power_usage().ok().map(|mw| f64::from(mw) / 1000.0),
-            "gpu_utilization_pct": dev.utilization_rates().ok().map(|u| u.gpu),
-            "gpu_memory_used_mb": dev.memory_info().ok().map(|m| m.used / 1_000_000),
-            "gpu_memory_total_mb": dev.memory_info().ok().map(|m| m.total / 1_000_000),
-            "gpu_temperature_c": dev.temperature(nvml_wrapper::enum_wrappers::device::TemperatureSensor::Gpu).ok(),
+            "gpu_power_w": s.power_w,
+            "gpu_power_limit_w": s.power_limit_w,
+            "gpu_utilization_pct": s.utilization_pct,
+            "gpu_memory_used_mb": s.memory_used_bytes.map(|b| b / 1_000_000),
+            "gpu_memory_total_mb": s.memory_total_bytes.map(|b| b / 1_000_000),
+            "gpu_temperature_c": s.temperature_c,
+            "gpu_sm_clock_mhz": s.sm_clock_mhz,
+            "gpu_throttle": s.throttle,
             "gpu_unavailable": null,
         })
     }

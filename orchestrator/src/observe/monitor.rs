@@ -1,0 +1,173 @@
+//! The monitor the orchestrator runs every `--monitor-interval`: a reading of every GPU of the run
+//! (when NVML is there), the CPU and memory of every worker process, and the warnings they call
+//! for. It lives in the orchestrator, so it outlives any worker.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use super::gpu::{GpuOwner, GpuSample, GpuSource, Watch};
+
+/// A worker process's CPU and memory.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct ProcessSample {
+    pub worker: u32,
+    pub role: &'static str,
+    pub pid: u32,
+    /// Percent of one core over the last interval.
+    pub cpu_pct: f64,
+    pub rss_bytes: u64,
+}
+
+/// What one tick found.
+#[derive(Debug, Default)]
+pub struct Tick {
+    pub gpus: Vec<(GpuSample, GpuOwner)>,
+    pub processes: Vec<ProcessSample>,
+    pub warnings: Vec<String>,
+}
+
+pub struct Monitor {
+    source: Option<Box<dyn GpuSource>>,
+    /// Why there is no GPU telemetry.
+    pub unavailable: Option<String>,
+    watch: Watch,
+    system: Option<sysinfo::System>,
+    interval: Duration,
+    next: Instant,
+    failing: BTreeMap<u32, String>,
+    /// The latest reading of each GPU.
+    pub gpus: BTreeMap<u32, GpuSample>,
+    /// The latest sample of each worker.
+    pub processes: BTreeMap<u32, ProcessSample>,
+}
+
+/// A throttle lasting this long is a warning.
+const SUSTAINED: Duration = Duration::from_secs(10);
+
+impl Monitor {
+    /// A monitor reading `source`, or, where it is an error, only the worker processes (said once).
+    pub fn new(source: Result<Box<dyn GpuSource>, String>, interval: Duration) -> Self {
+        let interval = interval.max(Duration::from_millis(10));
+        let (source, unavailable) = match source {
+            Ok(s) => (Some(s), None),
+            Err(why) => (None, Some(why)),
+        };
+        Self {
+            source,
+            unavailable,
+            watch: Watch::new(
+                SUSTAINED
+                    .as_secs_f64()
+                    .div_euclid(interval.as_secs_f64())
+                    .max(1.0) as u32,
+            ),
+            system: sysinfo::System::new().ok(),
+            interval,
+            next: Instant::now(),
+            failing: BTreeMap::new(),
+            gpus: BTreeMap::new(),
+            processes: BTreeMap::new(),
+        }
+    }
+
+    pub fn due(&self) -> bool {
+        Instant::now() >= self.next
+    }
+
+    /// Reads the GPUs `gpus` (index and the worker it serves) and the worker processes `workers`
+    /// (worker id, role, pid).
+    pub fn tick(&mut self, gpus: &[(u32, GpuOwner)], workers: &[(u32, &'static str, u32)]) -> Tick {
+        self.next = Instant::now() + self.interval;
+        let mut tick = Tick::default();
+        if let Some(source) = self.source.as_mut() {
+            for (gpu, owner) in gpus {
+                match source.sample(*gpu) {
+                    Ok(s) => {
+                        self.failing.remove(gpu);
+                        self.gpus.insert(*gpu, s.clone());
+                        tick.gpus.push((s, owner.clone()));
+                    }
+                    Err(e) => {
+                        if self.failing.insert(*gpu, e.clone()).as_ref() != Some(&e) {
+                            tick.warnings.push(format!(
+                                "GPU {gpu} (worker {}, {}): cannot be read: {e}",
+                                owner.worker, owner.role
+                            ));
+                        }
+                        self.gpus.remove(gpu);
+                    }
+                }
+            }
+            let xids = source.xid_events();
+            let samples: Vec<GpuSample> = tick.gpus.iter().map(|(s, _)| s.clone()).collect();
+            let owner = |g: u32| gpus.iter().find(|(i, _)| *i == g).map(|(_, o)| o.clone());
+            tick.warnings
+                .extend(self.watch.update(&samples, &xids, owner));
+        }
+        if let Some(system) = self.system.as_mut() {
+            let pids: Vec<sysinfo::Pid> = workers
+                .iter()
+                .map(|&(_, _, pid)| sysinfo::Pid::from_u32(pid))
+                .collect();
+            system.refresh_processes_specifics(
+                sysinfo::ProcessesToUpdate::Some(&pids),
+                true,
+                sysinfo::ProcessRefreshKind::nothing()
+                    .with_cpu()
+                    .with_memory(),
+            );
+            self.processes.clear();
+            for &(worker, role, pid) in workers {
+                if let Some(p) = system.process(sysinfo::Pid::from_u32(pid)) {
+                    let sample = ProcessSample {
+                        worker,
+                        role,
+                        pid,
+                        cpu_pct: f64::from(p.cpu_usage()),
+                        rss_bytes: p.memory(),
+                    };
+                    self.processes.insert(worker, sample.clone());
+                    tick.processes.push(sample);
+                }
+            }
+        }
+        tick
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::gpu::FakeSource;
+    use super::*;
+
+    #[test]
+    fn a_tick_reads_gpus_and_worker_processes_and_names_unreadable_gpus_once() {
+        let fake = FakeSource::parse(
+            r#"{"ticks": [{"samples": [{"gpu": 0, "power_w": 100.0, "throttle": []}]}]}"#,
+        )
+        .unwrap();
+        let mut m = Monitor::new(Ok(Box::new(fake)), Duration::from_millis(10));
+        let owner = |w| GpuOwner {
+            worker: w,
+            role: "target",
+        };
+        let me = std::process::id();
+        for round in 0..2 {
+            let t = m.tick(&[(0, owner(0)), (1, owner(1))], &[(0, "target", me)]);
+            assert_eq!(t.gpus.len(), 1);
+            assert_eq!(t.gpus[0].0.power_w, Some(100.0));
+            assert_eq!(t.processes.len(), 1);
+            assert!(t.processes[0].rss_bytes > 0);
+            // The missing GPU 1 is warned about once.
+            assert_eq!(
+                t.warnings.len(),
+                if round == 0 { 1 } else { 0 },
+                "{:?}",
+                t.warnings
+            );
+        }
+        assert_eq!(m.gpus.len(), 1);
+        let none = Monitor::new(Err("NVML not available".into()), Duration::from_secs(1));
+        assert_eq!(none.unavailable.as_deref(), Some("NVML not available"));
+    }
+}
