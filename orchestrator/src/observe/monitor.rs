@@ -35,6 +35,8 @@ pub struct Monitor {
     interval: Duration,
     next: Instant,
     failing: BTreeMap<u32, String>,
+    /// CPU time (ms) of each worker process at the previous tick.
+    cpu_before: BTreeMap<u32, (Instant, u64)>,
     /// The latest reading of each GPU.
     pub gpus: BTreeMap<u32, GpuSample>,
     /// The latest sample of each worker.
@@ -65,6 +67,7 @@ impl Monitor {
             interval,
             next: Instant::now(),
             failing: BTreeMap::new(),
+            cpu_before: BTreeMap::new(),
             gpus: BTreeMap::new(),
             processes: BTreeMap::new(),
         }
@@ -117,19 +120,36 @@ impl Monitor {
                     .with_memory(),
             );
             self.processes.clear();
+            let now = Instant::now();
+            let mut cpu_now = BTreeMap::new();
             for &(worker, role, pid) in workers {
                 if let Some(p) = system.process(sysinfo::Pid::from_u32(pid)) {
+                    // CPU time over wall time since the last tick (since the start at first).
+                    let cpu_ms = p.accumulated_cpu_time();
+                    cpu_now.insert(pid, (now, cpu_ms));
+                    let (wall_ms, used_ms) = match self.cpu_before.get(&pid) {
+                        Some(&(then, before)) => (
+                            now.duration_since(then).as_secs_f64() * 1000.0,
+                            cpu_ms.saturating_sub(before) as f64,
+                        ),
+                        None => (p.run_time() as f64 * 1000.0, cpu_ms as f64),
+                    };
                     let sample = ProcessSample {
                         worker,
                         role,
                         pid,
-                        cpu_pct: f64::from(p.cpu_usage()),
+                        cpu_pct: if wall_ms > 0.0 {
+                            100.0 * used_ms / wall_ms
+                        } else {
+                            0.0
+                        },
                         rss_bytes: p.memory(),
                     };
                     self.processes.insert(worker, sample.clone());
                     tick.processes.push(sample);
                 }
             }
+            self.cpu_before = cpu_now;
         }
         tick
     }
@@ -167,6 +187,14 @@ mod tests {
             );
         }
         assert_eq!(m.gpus.len(), 1);
+        // A busy process shows its CPU use.
+        let spin = std::time::Instant::now();
+        let mut x = 0u64;
+        while spin.elapsed() < Duration::from_millis(400) {
+            x = std::hint::black_box(x.wrapping_add(1));
+        }
+        let t = m.tick(&[], &[(0, "target", me)]);
+        assert!(t.processes[0].cpu_pct > 5.0, "{:?}", t.processes);
         let none = Monitor::new(Err("NVML not available".into()), Duration::from_secs(1));
         assert_eq!(none.unavailable.as_deref(), Some("NVML not available"));
     }
