@@ -134,6 +134,27 @@ pub fn watch_stop_signals() -> std::sync::Arc<std::sync::atomic::AtomicBool> {
     flag
 }
 
+/// Counts SIGINT and SIGTERM for a run, which stops cleanly at the first and at once at the second
+/// (the run still removes its workers and shared memory); a third ends the process where it is.
+pub fn count_stop_signals() -> std::sync::Arc<std::sync::atomic::AtomicUsize> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let count = std::sync::Arc::new(AtomicUsize::new(0));
+    let signals = [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM];
+    if let Ok(mut incoming) = signal_hook::iterator::Signals::new(signals) {
+        let seen = std::sync::Arc::clone(&count);
+        let _ = std::thread::Builder::new()
+            .name("signals".into())
+            .spawn(move || {
+                for _ in incoming.forever() {
+                    if seen.fetch_add(1, Ordering::SeqCst) + 1 >= 3 {
+                        std::process::exit(i32::from(exit_code::INTERRUPTED));
+                    }
+                }
+            });
+    }
+    count
+}
+
 fn init_logging(verbose: u8) {
     use tracing_subscriber::EnvFilter;
     let default = match verbose {

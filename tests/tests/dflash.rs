@@ -234,38 +234,47 @@ fn copy_dir(from: &Path, to: &Path) {
     }
 }
 
-/// The orchestrator died after the last commit, before the drafter's final checkpoint: the journal
-/// holds every commit but no end, and `latest` is an earlier checkpoint. The resume replays from
-/// there and ends with the undisturbed run's weights.
-#[test]
-fn resume_after_the_last_commit_replays_from_the_checkpoint() {
-    let dir = tempfile::tempdir().unwrap();
-    let target = tiny_target(dir.path());
+/// A copy of a finished run as an orchestrator crash would have left it: the journal without its
+/// end and its last `drop_commits` commits, and, with `older_checkpoint`, `latest` naming the
+/// previous checkpoint. `launch --resume` must end with the undisturbed run's commits and weights.
+fn resume_an_edited_copy(drop_commits: usize, older_checkpoint: bool) {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let target = tiny_target(dir);
     let want = reference(&target);
-    let run_dir = dir.path().join("run");
+    let run_dir = dir.join("run");
     copy_dir(&want.run_dir, &run_dir);
     let journal = run_dir.join("journal.jsonl");
     let text = fs::read_to_string(&journal).unwrap();
     let mut lines: Vec<&str> = text.lines().collect();
     assert!(lines.pop().unwrap().contains(r#""event":"end""#));
+    for _ in 0..drop_commits {
+        // Worker exits at the end come after the last commit.
+        let last_commit = lines
+            .iter()
+            .rposition(|l| l.contains(r#""event":"commit""#))
+            .unwrap();
+        lines.truncate(last_commit);
+    }
     fs::write(&journal, lines.join("\n") + "\n").unwrap();
-    let checkpoints = run_dir.join("checkpoints");
-    let mut steps: Vec<u64> = fs::read_dir(&checkpoints)
-        .unwrap()
-        .filter_map(|e| {
-            e.ok()?
-                .file_name()
-                .to_str()?
-                .strip_prefix("step-")?
-                .parse()
-                .ok()
-        })
-        .collect();
-    steps.sort_unstable();
-    fs::write(checkpoints.join("latest"), format!("step-{}", steps[0])).unwrap();
-    fs::remove_dir_all(checkpoints.join(format!("step-{}", steps[1]))).unwrap();
+    if older_checkpoint {
+        let checkpoints = run_dir.join("checkpoints");
+        let mut steps: Vec<u64> = fs::read_dir(&checkpoints)
+            .unwrap()
+            .filter_map(|e| {
+                e.ok()?
+                    .file_name()
+                    .to_str()?
+                    .strip_prefix("step-")?
+                    .parse()
+                    .ok()
+            })
+            .collect();
+        steps.sort_unstable();
+        fs::write(checkpoints.join("latest"), format!("step-{}", steps[0])).unwrap();
+        fs::remove_dir_all(checkpoints.join(format!("step-{}", steps[1]))).unwrap();
+    }
     finish(resume(&run_dir));
-    assert_eq!(journal_events(&run_dir, "rewind").len(), 1);
     assert_eq!(
         journal_events(&run_dir, "end").last().unwrap()["status"],
         "completed"
@@ -275,7 +284,26 @@ fn resume_after_the_last_commit_replays_from_the_checkpoint() {
         final_weights(&run_dir) == want.weights,
         "final model.safetensors differs from the undisturbed run's"
     );
+    // Behind the journal, the resume replays (a rewind); ahead of it, it commits forward.
+    assert_eq!(
+        journal_events(&run_dir, "rewind").len(),
+        usize::from(older_checkpoint)
+    );
     assert_clean(&run_dir);
+}
+
+/// The orchestrator died after the last commit, before the drafter's final checkpoint: the resume
+/// replays from the previous checkpoint.
+#[test]
+fn resume_after_the_last_commit_replays_from_the_checkpoint() {
+    resume_an_edited_copy(0, true);
+}
+
+/// The orchestrator died after the drafter checkpointed batches whose commits never reached the
+/// journal: the resume commits them from the plan instead of training them twice.
+#[test]
+fn resume_with_a_checkpoint_ahead_of_the_journal_commits_forward() {
+    resume_an_edited_copy(3, false);
 }
 
 /// The Python interpreter of the test venv (`scripts/setup-test-env`).
@@ -457,4 +485,93 @@ fn a_dataset_beyond_the_target_vocabulary_is_refused_at_launch() {
         .unwrap();
     assert_refused(&out, 2, "token id 600 in sample 0");
     assert!(!run_dir.join("logs").exists(), "no worker started");
+}
+
+/// SIGINT mid-run: the drafter writes a final checkpoint where it stands, the run exits 130 with
+/// nothing left behind, and `--resume` ends with the undisturbed run's weights.
+#[test]
+fn sigint_checkpoints_where_the_drafter_stands_and_the_resume_matches() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = tiny_target(dir.path());
+    let want = reference(&target);
+    let run_dir = dir.path().join("run");
+    let child = launch(&run_dir, &target).spawn().unwrap();
+    wait_between_checkpoints(&run_dir);
+    dflash_e2e::signal(child.id() as i32, "INT");
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(130),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_clean(&run_dir);
+    // The final checkpoint is past the last periodic one.
+    let root = run_dir.join("checkpoints");
+    let latest = fs::read_to_string(root.join("latest")).unwrap();
+    let step: u64 = latest
+        .trim()
+        .strip_prefix("step-")
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        !step.is_multiple_of(4) || effective_commits(&run_dir).len() as u64 == 2 * step,
+        "step {step}"
+    );
+    finish(resume(&run_dir));
+    assert_eq!(effective_commits(&run_dir), want.commits);
+    assert!(
+        final_weights(&run_dir) == want.weights,
+        "final model.safetensors differs from the undisturbed run's"
+    );
+}
+
+/// The run directory fills up while a checkpoint is written (a 1.2 MB tmpfs in a mount namespace
+/// of our own, room for one checkpoint): the run stops with the reason, the previous checkpoint
+/// stays whole and `latest` names it, and no half-written checkpoint is left.
+#[test]
+fn a_full_disk_while_checkpointing_keeps_the_previous_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = tiny_target(dir.path());
+    let mnt = dir.path().join("small");
+    let out_dir = dir.path().join("after");
+    fs::create_dir(&mnt).unwrap();
+    let flags: Vec<String> = RUN_FLAGS.iter().map(|f| f.to_string()).collect();
+    let script = format!(
+        "mount -t tmpfs -o size=1200k tmpfs {m} && {bin} launch {flags} --target-model {t} --run-dir {m}/run; echo \"rc=$?\"; cp -r {m}/run {o}",
+        bin = bin("dflash-orch").display(),
+        flags = flags.join(" "),
+        t = target.display(),
+        m = mnt.display(),
+        o = out_dir.display(),
+    );
+    let out = Command::new("unshare")
+        .args(["-m", "sh", "-c", &script])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stdout.contains("rc=1"), "{stdout}\n{stderr}");
+    assert!(stderr.contains("No space left on device"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let root = out_dir.join("checkpoints");
+    let latest = fs::read_to_string(root.join("latest")).unwrap();
+    let whole = root.join(latest.trim());
+    let names: Vec<String> = fs::read_dir(&root)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(
+        names.iter().all(|n| !n.contains(".tmp")),
+        "no half-written checkpoint: {names:?}"
+    );
+    let tensors =
+        candle_core::safetensors::load(whole.join("model.safetensors"), &candle_core::Device::Cpu)
+            .unwrap();
+    assert!(tensors.contains_key("fc.weight"));
+    let state: Value =
+        serde_json::from_slice(&fs::read(whole.join("state.json")).unwrap()).unwrap();
+    assert!(state["step"].as_u64().unwrap() >= 4);
 }

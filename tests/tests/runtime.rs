@@ -492,3 +492,95 @@ fn an_empty_journal_does_not_block_a_fresh_launch() {
     );
     assert_eq!(commits(dir.path()), reference());
 }
+
+/// Sends `sig` to the orchestrator `count` times, 50 ms apart, once the run is committing.
+fn interrupt_mid_run(sig: &str, count: usize) -> (tempfile::TempDir, Output) {
+    let dir = tempfile::tempdir().unwrap();
+    let child = start(dir.path());
+    wait_until("10 commits", Duration::from_secs(60), || {
+        commits(dir.path()).len() >= 10
+    });
+    for _ in 0..count {
+        signal(child.id() as i32, sig);
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    (dir, out)
+}
+
+/// SIGTERM stops the run cleanly: exit 130, the journal closed as interrupted, no worker and no
+/// shared memory left; `--resume` then commits exactly what an undisturbed run does.
+#[test]
+fn sigterm_stops_cleanly_and_the_run_resumes() {
+    let want = reference();
+    let (dir, out) = interrupt_mid_run("TERM", 1);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(130), "{stderr}");
+    assert!(stderr.contains("launch --resume"), "{stderr}");
+    assert_eq!(
+        journal_events(dir.path(), "end").last().unwrap()["status"],
+        "interrupted"
+    );
+    assert_clean(dir.path());
+    let resumed = launch_command(dir.path(), "0", &["--resume"])
+        .output()
+        .unwrap();
+    assert!(resumed.status.success());
+    assert_eq!(commits(dir.path()), want);
+    assert_clean(dir.path());
+}
+
+/// A second SIGINT stops at once, and still leaves no worker and no shared memory behind.
+#[test]
+fn a_second_sigint_stops_at_once_and_leaves_nothing() {
+    let (dir, out) = interrupt_mid_run("INT", 2);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(130), "{stderr}");
+    assert!(
+        stderr.contains("interrupt again to stop at once"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_clean(dir.path());
+}
+
+/// A worker binary that is not executable is refused at launch, before anything starts.
+#[test]
+fn a_worker_binary_that_cannot_run_is_refused_at_launch() {
+    let dir = tempfile::tempdir().unwrap();
+    let fake = dir.path().join("dflash-worker");
+    fs::write(&fake, "#!/bin/sh\nexit 0\n").unwrap();
+    let run = dir.path().join("run");
+    let out = launch_command(&run, "0", &[])
+        .env("DFLASH_WORKER_BIN", &fake)
+        .output()
+        .unwrap();
+    assert_refused(&out, 2, "is not executable");
+    let out = launch_command(&run, "0", &[])
+        .env("DFLASH_WORKER_BIN", dir.path().join("missing"))
+        .output()
+        .unwrap();
+    assert_refused(&out, 2, "not found");
+    assert!(!run.join("journal.jsonl").exists());
+}
+
+/// A run directory on a read-only file system (a tmpfs remounted read-only in a mount namespace of
+/// our own): a clear error naming the directory, nothing started, no shared memory left.
+#[test]
+fn a_read_only_run_dir_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let mnt = dir.path().join("ro");
+    fs::create_dir(&mnt).unwrap();
+    let script = format!(
+        "mount -t tmpfs -o size=4m tmpfs {m} && mkdir {m}/run && mount -o remount,ro {m} && exec {} launch --gpus cpu:3 --run-dir {m}/run --synthetic 100",
+        bin("dflash-orch").display(),
+        m = mnt.display(),
+    );
+    let out = Command::new("unshare")
+        .args(["-m", "sh", "-c", &script])
+        .output()
+        .unwrap();
+    assert_refused(&out, 2, "Read-only file system");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("/ro/run"), "{stderr}");
+}

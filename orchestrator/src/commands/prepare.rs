@@ -353,6 +353,9 @@ pub fn run(args: PrepareArgs) -> Result<(), CliError> {
         }
     };
 
+    // Before anything is written: an interrupt from here on must find the handler in place and
+    // remove what was written.
+    let interrupted = crate::cli::watch_stop_signals();
     let writer = StoreWriter::create(&args.output, args.force).map_err(store_error)?;
     let total: u64 = inputs
         .iter()
@@ -377,7 +380,7 @@ pub fn run(args: PrepareArgs) -> Result<(), CliError> {
         source_samples: 0,
         source_skipped: 0,
         bar,
-        interrupted: crate::cli::watch_stop_signals(),
+        interrupted,
         started: Instant::now(),
     };
 

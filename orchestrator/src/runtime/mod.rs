@@ -528,6 +528,12 @@ pub fn launch(
             binary.display()
         )));
     }
+    if nix::unistd::access(&binary, nix::unistd::AccessFlags::X_OK).is_err() {
+        return Err(RunError::Invalid(format!(
+            "worker binary {} is not executable (chmod +x it, or set DFLASH_WORKER_BIN)",
+            binary.display()
+        )));
+    }
     let mut config = config;
     let mut feature_width = 1;
     let mut dflash_file = None;
@@ -796,7 +802,7 @@ impl Run {
         inbox: &mpsc::Receiver<Input>,
         new_epoch: bool,
     ) -> Result<Outcome, RunError> {
-        let interrupted = crate::cli::watch_stop_signals();
+        let signals = crate::cli::count_stop_signals();
         if new_epoch {
             self.journal_epoch()?;
         }
@@ -812,9 +818,19 @@ impl Run {
             while let Ok(input) = inbox.try_recv() {
                 self.handle(input)?;
             }
-            if interrupted.load(Ordering::Relaxed) && self.stopping.is_none() {
-                tracing::warn!("interrupted: stopping the workers");
+            let interrupts = signals.load(Ordering::SeqCst);
+            if interrupts >= 1 && self.stopping.is_none() {
+                tracing::warn!(
+                    "interrupted: stopping the workers (a drafter writes its checkpoint); interrupt again to stop at once"
+                );
+                eprintln!(
+                    "\ninterrupted: stopping the workers cleanly; interrupt again to stop at once"
+                );
                 self.stopping = Some(Outcome::Interrupted);
+            }
+            if interrupts >= 2 && stop_deadline.is_none_or(|d| d > Instant::now()) {
+                // At once: the grace period is over.
+                stop_deadline = Some(Instant::now());
             }
             self.supervise()?;
             if self.monitor.due() {
@@ -1009,7 +1025,8 @@ impl Run {
 
     /// Commits trained batches in plan order.
     fn commit_ready(&mut self) -> Result<(), RunError> {
-        while self.stopping.is_none() {
+        // Also while stopping: what the drafter trained is in its final checkpoint.
+        while self.epoch < self.config.epochs {
             let b = self.next_commit;
             let Some(slot) = self
                 .feature_slots
@@ -1047,7 +1064,7 @@ impl Run {
         if self.next_commit == self.plan.batches.len() {
             if self.epoch + 1 == self.config.epochs {
                 self.epoch += 1;
-                self.stopping = Some(Outcome::Completed);
+                self.stopping.get_or_insert(Outcome::Completed);
                 return Ok(());
             }
             let base = self.step_base + self.plan.batches.len() as u64;
@@ -1096,9 +1113,12 @@ impl Run {
         self.rewind_to = None;
         if cursor >= self.committed_total {
             self.enter(self.epoch, self.step_base, self.next_commit);
-            while self.committed_total < cursor && self.stopping.is_none() {
+            while self.committed_total < cursor && self.epoch < self.config.epochs {
                 let checksum = self.batch_checksum(self.next_commit);
                 self.commit(checksum)?;
+            }
+            if self.epoch < self.config.epochs {
+                self.enter(self.epoch, self.step_base, self.next_commit);
             }
             tracing::info!(
                 "moved forward to plan position {cursor}, committed from the checkpoint"
