@@ -323,6 +323,35 @@ fn status_reports_every_worker_and_refuses_strangers() {
     assert!(stranger.stdout.is_empty());
     fs::set_permissions(&sock, fs::Permissions::from_mode(0o600)).unwrap();
     status(dir.path());
+    // Oversized and malformed requests get an error answer; the run goes on.
+    let ask = |request: &[u8]| -> Value {
+        use std::io::{BufRead, Write};
+        let mut stream = std::os::unix::net::UnixStream::connect(&sock).unwrap();
+        let _ = stream.write_all(request);
+        let mut line = String::new();
+        std::io::BufReader::new(stream)
+            .read_line(&mut line)
+            .unwrap();
+        serde_json::from_str(&line).unwrap()
+    };
+    let mut huge = vec![b' '; 70 * 1024];
+    huge.push(b'\n');
+    let answer = ask(&huge);
+    assert!(
+        answer["error"]
+            .as_str()
+            .unwrap()
+            .contains("larger than 65536 bytes"),
+        "{answer}"
+    );
+    for bad in [&b"{\"restart\": 7}\n"[..], b"\xff\xfe\n", b"\"shutdown\"\n"] {
+        let answer = ask(bad);
+        assert!(
+            answer["error"].as_str().unwrap().starts_with("bad request"),
+            "{answer}"
+        );
+    }
+    status(dir.path());
 
     let out = orch(&["stop", "--run-dir", dir.path().to_str().unwrap()]);
     assert!(
