@@ -149,3 +149,30 @@ pub fn finish(child: Child) -> Output {
     );
     out
 }
+
+/// The Python interpreter of the test venv (`scripts/setup-test-env`; `DFLASH_TEST_PYTHON`
+/// overrides it), which holds the reference clients: safetensors, tensorboard, prometheus_client.
+pub fn test_python() -> PathBuf {
+    let python = std::env::var_os("DFLASH_TEST_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join(".venv-test/bin/python"));
+    assert!(
+        python.exists(),
+        "{} not found: run scripts/setup-test-env first (README's test command does)",
+        python.display()
+    );
+    python
+}
+
+/// The workspace's root directory.
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ lives in the workspace")
+        .to_path_buf()
+}
+
+/// A file of `scripts/`.
+pub fn script(name: &str) -> PathBuf {
+    workspace_root().join("scripts").join(name)
+}

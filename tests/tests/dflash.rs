@@ -10,8 +10,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use dflash_e2e::{
-    assert_clean, assert_refused, bin, finish, journal_events, orch, signal, stdout_ok, wait_until,
-    worker_pid,
+    assert_clean, assert_refused, bin, finish, journal_events, orch, signal, stdout_ok,
+    test_python, wait_until, worker_pid, workspace_root,
 };
 use serde_json::Value;
 
@@ -306,26 +306,12 @@ fn resume_with_a_checkpoint_ahead_of_the_journal_commits_forward() {
     resume_an_edited_copy(3, false);
 }
 
-/// The Python interpreter of the test venv (`scripts/setup-test-env`).
-fn test_python() -> PathBuf {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
-    let python = std::env::var_os("DFLASH_TEST_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root.join(".venv-test/bin/python"));
-    assert!(
-        python.exists(),
-        "{} not found: run scripts/setup-test-env first (README's test command does)",
-        python.display()
-    );
-    python
-}
-
 #[test]
 fn checkpoints_load_with_python_safetensors_and_metrics_are_recorded() {
     let dir = tempfile::tempdir().unwrap();
     let target = tiny_target(dir.path());
     let run = reference(&target);
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let root = workspace_root();
     let checkpoints = run.run_dir.join("checkpoints");
     let mut names: Vec<String> = fs::read_dir(&checkpoints)
         .unwrap()

@@ -5,11 +5,13 @@
 use std::collections::BTreeMap;
 use std::fs;
 use std::io::{Read, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use dflash_e2e::{bin, finish, journal_events, orch, status, stdout_ok, wait_until};
+use dflash_e2e::{
+    bin, finish, journal_events, orch, script, status, stdout_ok, test_python, wait_until,
+};
 use serde_json::Value;
 
 const PLAN: [&str; 8] = [
@@ -34,27 +36,6 @@ fn launch(run_dir: &Path, us_per_token: &str, extra: &[&str]) -> Command {
         .stdout(Stdio::null())
         .stderr(Stdio::piped());
     c
-}
-
-fn test_python() -> PathBuf {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
-    let python = std::env::var_os("DFLASH_TEST_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root.join(".venv-test/bin/python"));
-    assert!(
-        python.exists(),
-        "{} not found: run scripts/setup-test-env first (README's test command does)",
-        python.display()
-    );
-    python
-}
-
-fn script(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .join("scripts")
-        .join(name)
 }
 
 fn lines(run_dir: &Path, kind: &str) -> Vec<Value> {

@@ -2,32 +2,17 @@
 //! (`scripts/read_tensorboard.py`, EventAccumulator) in the test venv.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
-use dflash_e2e::stdout_ok;
+use dflash_e2e::{script, stdout_ok, test_python};
 use dflash_orch::observe::tensorboard::{TbWriter, read_scalars};
 use serde_json::Value;
 
-/// The Python interpreter of the test venv (`scripts/setup-test-env`).
-fn test_python() -> PathBuf {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
-    let python = std::env::var_os("DFLASH_TEST_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root.join(".venv-test/bin/python"));
-    assert!(
-        python.exists(),
-        "{} not found: run scripts/setup-test-env first (README's test command does)",
-        python.display()
-    );
-    python
-}
-
 /// Scalars as TensorBoard reads them from `path` (an event file or a directory).
 fn tensorboard_scalars(path: &Path) -> BTreeMap<String, Vec<(i64, f32)>> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
     let out = Command::new(test_python())
-        .arg(root.join("scripts/read_tensorboard.py"))
+        .arg(script("read_tensorboard.py"))
         .arg(path)
         .output()
         .unwrap();
