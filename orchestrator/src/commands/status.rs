@@ -59,6 +59,12 @@ fn text(v: &Value) -> String {
         r["tokens_per_s"].as_f64().unwrap_or(0.0),
         r["uptime_s"].as_f64().unwrap_or(0.0)
     );
+    if let Some(progress) = r["progress"].as_str() {
+        let _ = writeln!(o, "{progress}");
+    }
+    if let Some(addr) = r["metrics_addr"].as_str() {
+        let _ = writeln!(o, "metrics: http://{addr}/metrics");
+    }
     let header = [
         "id",
         "role",
@@ -90,12 +96,19 @@ fn text(v: &Value) -> String {
             .flatten()
             .map(|c| c.to_string())
             .collect();
+        let process = match (w["cpu_pct"].as_f64(), w["rss_bytes"].as_u64()) {
+            (Some(c), Some(m)) => format!("cpu {c:.0}%, {} MB; ", m / 1_000_000),
+            _ => String::new(),
+        };
         let gpu = match w["gpu_power_w"].as_f64() {
             Some(p) => format!(
-                "{p:.0} W, {}% util, {} MB, {} C",
+                "{process}{p:.0} W, {}% util, {} MB, {} C",
                 w["gpu_utilization_pct"], w["gpu_memory_used_mb"], w["gpu_temperature_c"]
             ),
-            None => format!("gpu: {}", w["gpu_unavailable"].as_str().unwrap_or("n/a")),
+            None => format!(
+                "{process}gpu: {}",
+                w["gpu_unavailable"].as_str().unwrap_or("n/a")
+            ),
         };
         let last = w["last_exit"]
             .as_str()
