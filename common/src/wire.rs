@@ -153,6 +153,19 @@ pub enum Event {
     Failed { id: Option<BatchId>, reason: String },
 }
 
+/// Receives the next message, retrying when a signal interrupted the wait (a handled signal, e.g.
+/// the runtime's own SIGSEGV handler, must not read as a lost peer).
+pub fn recv<T: for<'de> Deserialize<'de> + Serialize>(
+    from: &IpcReceiver<T>,
+) -> Result<T, ipc_channel::IpcError> {
+    loop {
+        match from.recv() {
+            Err(ipc_channel::IpcError::Io(e)) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            other => return other,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -613,3 +613,54 @@ fn a_read_only_run_dir_is_a_clear_error() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("/ro/run"), "{stderr}");
 }
+
+/// Exit reasons stay the worker's own: after a hung worker is killed, its replacement's SIGKILL is
+/// journaled as just that; and a handled signal (one SIGSEGV, which the runtime's stack-overflow
+/// handler takes) does not read as a lost orchestrator.
+#[test]
+fn exit_reasons_are_per_process_and_a_handled_signal_is_not_a_lost_orchestrator() {
+    let dir = tempfile::tempdir().unwrap();
+    let child = launch_command(dir.path(), "20", &[]).spawn().unwrap();
+    wait_until("5 commits", Duration::from_secs(60), || {
+        commits(dir.path()).len() >= 5
+    });
+    let exits = |worker: u64| -> Vec<String> {
+        journal_events(dir.path(), "worker_exit")
+            .into_iter()
+            .filter(|e| e["worker"] == worker)
+            .map(|e| e["reason"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    let (id, pid) = worker_pid(dir.path(), "target");
+    signal(pid, "STOP");
+    wait_until("the hang to be noticed", Duration::from_secs(30), || {
+        !exits(id).is_empty()
+    });
+    assert!(exits(id)[0].starts_with("missed heartbeats"), "{:?}", exits(id));
+    let replacement = || {
+        status(dir.path())["workers"][id as usize]["pid"]
+            .as_i64()
+            .filter(|&p| p != i64::from(pid))
+    };
+    wait_until("the replacement", Duration::from_secs(30), || {
+        replacement().is_some()
+    });
+    signal(replacement().unwrap() as i32, "KILL");
+    wait_until("the second exit", Duration::from_secs(30), || {
+        exits(id).len() >= 2
+    });
+    assert_eq!(exits(id)[1], "killed by SIGKILL");
+    // One SIGSEGV to the drafter.
+    let (drafter, dpid) = worker_pid(dir.path(), "drafter");
+    signal(dpid, "SEGV");
+    std::thread::sleep(Duration::from_millis(500));
+    // It survives it, or dies of it; it never exits as if it had lost the orchestrator.
+    assert!(
+        exits(drafter).iter().all(|r| r.contains("SIGSEGV")),
+        "{:?}",
+        exits(drafter)
+    );
+    stdout_ok(&orch(&["stop", "--run-dir", dir.path().to_str().unwrap()]));
+    finish(child);
+    assert_clean(dir.path());
+}

@@ -205,7 +205,7 @@ pub fn run(args: WorkerArgs) -> Result<(), WorkerError> {
     }
     events.send(Event::Ready).map_err(|e| lost(&e))?;
     loop {
-        let job = jobs.recv().map_err(|e| lost(&e))?;
+        let job = dflash_common::wire::recv(&jobs).map_err(|e| lost(&e))?;
         let reply = match job {
             Job::Stop => return stage.stop().map_err(WorkerError::Stage),
             Job::Forward { id, input, feature } => {

@@ -264,6 +264,8 @@ struct Worker {
     exit_requested: bool,
     /// Since when the worker has been ready and idle.
     ready_since: Instant,
+    /// Why the worker is being killed as hung (prefixed to its exit reason).
+    hung: Option<String>,
 }
 
 /// Resume point read from the journal.
@@ -717,6 +719,7 @@ pub fn launch(
             restart_when_idle: false,
             exit_requested: false,
             ready_since: Instant::now(),
+            hung: None,
         })
         .collect();
     let launch = workers::Launch {
@@ -1557,7 +1560,7 @@ impl Run {
                         "no heartbeat for {:.1} s: killing it",
                         limit.as_secs_f64()
                     );
-                    w.last_exit = Some(format!(
+                    w.hung = Some(format!(
                         "missed heartbeats for {:.1} s (hung)",
                         limit.as_secs_f64()
                     ));
@@ -1575,9 +1578,9 @@ impl Run {
                 process.abandon();
                 let reason = workers::exit_reason(status);
                 let w = &mut self.workers[i];
-                let reason = match w.last_exit.take() {
-                    Some(hung) if hung.starts_with("missed") => format!("{hung}; {reason}"),
-                    _ => reason,
+                let reason = match w.hung.take() {
+                    Some(hung) => format!("{hung}; {reason}"),
+                    None => reason,
                 };
                 w.jobs = None;
                 w.last_exit = Some(reason.clone());

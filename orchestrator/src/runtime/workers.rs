@@ -183,7 +183,7 @@ pub fn spawn(
             }
             let events = hello.events;
             send(WorkerInput::Connected(hello.jobs));
-            while let Ok(event) = events.recv() {
+            while let Ok(event) = dflash_common::wire::recv(&events) {
                 send(WorkerInput::Event(event));
             }
             send(WorkerInput::Gone);
