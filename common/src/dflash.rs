@@ -122,6 +122,16 @@ pub fn read_config(dir: &Path) -> Result<Qwen3Config, ModelDirError> {
             "vocab_size, hidden_size, intermediate_size and num_hidden_layers must be positive and head_dim even",
         ));
     }
+    if config
+        .num_attention_heads
+        .checked_mul(config.head_dim())
+        .is_none()
+    {
+        return Err(invalid(
+            &path,
+            "num_attention_heads × head_dim is too large",
+        ));
+    }
     Ok(config)
 }
 
@@ -407,6 +417,25 @@ mod tests {
                 assert!(ids.windows(2).all(|w| w[0] < w[1]), "{l} {d} {ids:?}");
             }
         }
+    }
+
+    #[test]
+    fn config_with_overflowing_projection_is_refused() {
+        let dir = std::env::temp_dir().join(format!("dflash-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let config = |heads: u64, head_dim: u64| {
+            format!(
+                r#"{{"architectures":["Qwen3ForCausalLM"],"vocab_size":4,"hidden_size":2,
+                "intermediate_size":2,"num_hidden_layers":1,"num_attention_heads":{heads},
+                "num_key_value_heads":1,"head_dim":{head_dim},"rms_norm_eps":1e-6}}"#
+            )
+        };
+        std::fs::write(dir.join("config.json"), config(4, 2)).unwrap();
+        assert_eq!(read_config(&dir).unwrap().head_dim(), 2);
+        std::fs::write(dir.join("config.json"), config(1 << 32, 1 << 32)).unwrap();
+        let e = read_config(&dir).unwrap_err().to_string();
+        assert!(e.contains("too large"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -636,7 +636,11 @@ fn exit_reasons_are_per_process_and_a_handled_signal_is_not_a_lost_orchestrator(
     wait_until("the hang to be noticed", Duration::from_secs(30), || {
         !exits(id).is_empty()
     });
-    assert!(exits(id)[0].starts_with("missed heartbeats"), "{:?}", exits(id));
+    assert!(
+        exits(id)[0].starts_with("missed heartbeats"),
+        "{:?}",
+        exits(id)
+    );
     let replacement = || {
         status(dir.path())["workers"][id as usize]["pid"]
             .as_i64()

@@ -135,12 +135,14 @@ impl Topology {
     /// The topology for `workers` workers: as given (checked) or all but one as targets.
     pub fn resolve(given: Option<Topology>, workers: u32) -> Result<Topology, String> {
         match given {
-            Some(t) if t.targets + t.drafters != workers => Err(format!(
-                "--topology {}:{} needs {} workers, --gpus gives {workers}",
-                t.targets,
-                t.drafters,
-                t.targets + t.drafters
-            )),
+            Some(t) if u64::from(t.targets) + u64::from(t.drafters) != u64::from(workers) => {
+                Err(format!(
+                    "--topology {}:{} needs {} workers, --gpus gives {workers}",
+                    t.targets,
+                    t.drafters,
+                    u64::from(t.targets) + u64::from(t.drafters)
+                ))
+            }
             Some(t) => Ok(t),
             None if workers < 2 => Err(format!(
                 "a run needs at least 2 workers (1 target, 1 drafter); --gpus gives {workers}"
@@ -156,6 +158,13 @@ impl Topology {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn huge_topologies_are_refused_without_overflow() {
+        let t: Topology = "4294967295:1".parse().unwrap();
+        let e = Topology::resolve(Some(t), 8).unwrap_err();
+        assert!(e.contains("needs 4294967296 workers"), "{e}");
+    }
 
     #[test]
     fn parses_gpu_specs() {
