@@ -1,10 +1,17 @@
 //! Drafter checkpoints: `RUN_DIR/checkpoints/step-N/` with `model.safetensors` and `config.json` in
 //! the Hugging Face DFlash draft layout (serving stacks load them unchanged), `optimizer.safetensors`
-//! (AdamW moments) and `state.json` (step, epoch, plan cursor). Written by a background thread from
-//! a snapshot, so training does not wait; each one is built in a temporary directory and renamed
-//! into place, then `latest` is replaced, then all but the newest `keep` are removed.
+//! (AdamW moments) and `state.json` (step, epoch, plan cursor, and the run fingerprint that ties the
+//! checkpoint to the run that wrote it). Each one is built in a temporary directory
+//! (`.step-N.tmp-PID`) and renamed into place, then `latest` is replaced (through
+//! `.latest.tmp-PID`), then all but the newest `keep` are removed.
+//!
+//! [`Writer`] writes them on a thread of its own from a snapshot, so training does not wait for
+//! the disk, with one snapshot queued at most: a training thread that gets ahead of the disk
+//! blocks in [`Writer::submit`] rather than piling snapshots (three copies of the model each) up
+//! in memory. A panic of that thread is reported to the stage, never swallowed. Starting a writer
+//! removes the temporary files of writers that were killed.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
@@ -19,7 +26,7 @@ use crate::model::drafter::Drafter;
 use crate::train::AdamW;
 
 /// Where training stands.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TrainingState {
     /// Optimiser steps taken.
     pub step: u64,
@@ -28,6 +35,10 @@ pub struct TrainingState {
     pub plan_cursor: u64,
     /// AdamW's step counter.
     pub adam_t: u64,
+    /// The fingerprint of the run that wrote the checkpoint (`DflashSettings::fingerprint`);
+    /// empty in checkpoints written before runs had one.
+    #[serde(default)]
+    pub fingerprint: BTreeMap<String, String>,
 }
 
 /// A named f32 tensor: name, shape, values.
@@ -128,7 +139,7 @@ pub fn save(root: &Path, snapshot: &Snapshot, keep: usize) -> io::Result<PathBuf
         sync_dir(&temp);
         let _ = fs::remove_dir_all(&done);
         fs::rename(&temp, &done)?;
-        let pointer = root.join(".latest.tmp");
+        let pointer = root.join(format!(".latest.tmp-{}", std::process::id()));
         fs::write(&pointer, &name)?;
         fs::File::open(&pointer)?.sync_all()?;
         fs::rename(&pointer, root.join("latest"))?;
@@ -167,8 +178,8 @@ fn rotate(root: &Path, keep: usize) -> io::Result<()> {
     Ok(())
 }
 
-/// The checkpoint `latest` points to, read back: `None` when there is none.
-pub fn load_latest(root: &Path) -> io::Result<Option<Snapshot>> {
+/// The checkpoint `latest` points to, read back with its directory: `None` when there is none.
+pub fn load_latest(root: &Path) -> io::Result<Option<(PathBuf, Snapshot)>> {
     let Ok(name) = fs::read_to_string(root.join("latest")) else {
         return Ok(None);
     };
@@ -193,59 +204,209 @@ pub fn load_latest(root: &Path) -> io::Result<Option<Snapshot>> {
             Ok((n.clone(), s.clone(), m, v))
         })
         .collect::<io::Result<_>>()?;
-    Ok(Some(Snapshot {
-        state,
-        weights,
-        moments,
-        config,
-    }))
+    Ok(Some((
+        dir,
+        Snapshot {
+            state,
+            weights,
+            moments,
+            config,
+        },
+    )))
 }
 
-/// Writes checkpoints on a thread of its own, in order.
+/// Refuses the checkpoint in `dir` when another run wrote it: its fingerprint `theirs` must equal
+/// this run's, `ours`. An empty `ours` (settings from before runs had fingerprints) checks nothing.
+pub fn check_fingerprint(
+    dir: &Path,
+    ours: &BTreeMap<String, String>,
+    theirs: &BTreeMap<String, String>,
+) -> Result<(), String> {
+    if ours.is_empty() {
+        return Ok(());
+    }
+    let why = if theirs.is_empty() {
+        "it has no run fingerprint".to_owned()
+    } else {
+        let differ = dflash_common::dflash::fingerprint_differences(ours, theirs);
+        if differ.is_empty() {
+            return Ok(());
+        }
+        format!("it differs in {}", differ.join(", "))
+    };
+    Err(format!(
+        "checkpoint {} belongs to another run: {why} (resume only the run that wrote it, or launch into a new --run-dir)",
+        dir.display()
+    ))
+}
+
+/// The checkpoint writer's thread died: it panicked with `message`. Nothing is written after that.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("checkpoint writer failed: {message}")]
+pub struct WriterFailed {
+    pub message: String,
+}
+
+impl WriterFailed {
+    fn from_panic(payload: Box<dyn std::any::Any + Send>) -> Self {
+        let message = payload
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_owned())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "it panicked".to_owned());
+        Self { message }
+    }
+}
+
+/// Snapshots queued for the writer besides the one it is writing: a bound, so that a training
+/// thread faster than the disk waits instead of holding ever more copies of the model.
+const QUEUED: usize = 1;
+
+/// Writes checkpoints on a thread of its own, in order, holding at most [`QUEUED`] snapshots
+/// besides the one being written.
 pub struct Writer {
-    jobs: Option<mpsc::Sender<Snapshot>>,
+    jobs: mpsc::SyncSender<Snapshot>,
     done: mpsc::Receiver<io::Result<PathBuf>>,
+    /// `None` once joined.
     thread: Option<JoinHandle<()>>,
+    /// Why the thread died, once it has.
+    failed: Option<WriterFailed>,
 }
 
 impl Writer {
+    /// Starts writing the checkpoints under `root`, keeping the newest `keep`. First removes what
+    /// killed writers left there (see [`remove_stale`]).
     pub fn start(root: PathBuf, keep: usize) -> io::Result<Self> {
-        let (jobs, inbox) = mpsc::channel::<Snapshot>();
+        Self::start_with(root, keep, save)
+    }
+
+    /// [`Writer::start`] with `write` in place of [`save`] (tests make it fail).
+    fn start_with(
+        root: PathBuf,
+        keep: usize,
+        mut write: impl FnMut(&Path, &Snapshot, usize) -> io::Result<PathBuf> + Send + 'static,
+    ) -> io::Result<Self> {
+        remove_stale(&root);
+        let (jobs, inbox) = mpsc::sync_channel::<Snapshot>(QUEUED);
         let (report, done) = mpsc::channel();
         let thread = std::thread::Builder::new()
             .name("checkpoints".into())
             .spawn(move || {
                 for snapshot in inbox {
-                    let _ = report.send(save(&root, &snapshot, keep));
+                    let _ = report.send(write(&root, &snapshot, keep));
                 }
             })?;
         Ok(Self {
-            jobs: Some(jobs),
+            jobs,
             done,
             thread: Some(thread),
+            failed: None,
         })
     }
 
-    /// Queues a checkpoint; returns at once.
-    pub fn submit(&self, snapshot: Snapshot) {
-        if let Some(jobs) = &self.jobs {
-            let _ = jobs.send(snapshot);
+    /// Queues a checkpoint. Returns at once while the writer keeps up, blocks while it already
+    /// holds a queued one (back-pressure), and fails once its thread has died.
+    pub fn submit(&mut self, snapshot: Snapshot) -> Result<(), WriterFailed> {
+        if let Some(failed) = self.died() {
+            return Err(failed);
+        }
+        if self.jobs.send(snapshot).is_err() {
+            // The receiver is gone while we hold the sender: the thread is unwinding from a panic.
+            return Err(self.reap());
+        }
+        Ok(())
+    }
+
+    /// Results of the checkpoints finished since the last call; fails once the thread has died.
+    pub fn finished(&mut self) -> Result<Vec<io::Result<PathBuf>>, WriterFailed> {
+        let results = self.done.try_iter().collect();
+        match self.died() {
+            Some(failed) => Err(failed),
+            None => Ok(results),
         }
     }
 
-    /// Results of the checkpoints finished since the last call.
-    pub fn finished(&self) -> Vec<io::Result<PathBuf>> {
-        self.done.try_iter().collect()
+    /// Waits for every queued checkpoint; returns their results, or why the thread died.
+    pub fn finish(self) -> Result<Vec<io::Result<PathBuf>>, WriterFailed> {
+        let Self {
+            jobs,
+            done,
+            thread,
+            failed,
+        } = self;
+        // Ends the thread's loop once the queue is empty.
+        drop(jobs);
+        if let Some(failed) = failed {
+            return Err(failed);
+        }
+        if let Some(Err(payload)) = thread.map(JoinHandle::join) {
+            return Err(WriterFailed::from_panic(payload));
+        }
+        Ok(done.try_iter().collect())
     }
 
-    /// Waits for every queued checkpoint; returns their results.
-    pub fn finish(mut self) -> Vec<io::Result<PathBuf>> {
-        drop(self.jobs.take());
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
+    /// Why the thread died, if it has. While we hold the sender its loop does not end, so a
+    /// finished thread is one that panicked.
+    fn died(&mut self) -> Option<WriterFailed> {
+        if self.failed.is_none() && self.thread.as_ref().is_some_and(JoinHandle::is_finished) {
+            self.reap();
         }
-        self.done.try_iter().collect()
+        self.failed.clone()
     }
+
+    /// Joins the thread, which has died or is dying, and records why.
+    fn reap(&mut self) -> WriterFailed {
+        if let Some(thread) = self.thread.take() {
+            self.failed = Some(match thread.join() {
+                Err(payload) => WriterFailed::from_panic(payload),
+                Ok(()) => WriterFailed {
+                    message: "its thread ended early".into(),
+                },
+            });
+        }
+        self.failed.clone().unwrap_or_else(|| WriterFailed {
+            message: "its thread is gone".into(),
+        })
+    }
+}
+
+/// Removes what checkpoint writers that were killed left under `root`: `.step-N.tmp-PID`
+/// directories and `.latest.tmp-PID` pointers of processes no longer running (ours is running),
+/// and the `.latest.tmp` of older builds, which this build never writes (one drafter at a time
+/// writes a run's checkpoints).
+pub fn remove_stale(root: &Path) {
+    let Ok(entries) = fs::read_dir(root) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else {
+            continue;
+        };
+        let stale = match name.strip_prefix('.').and_then(|n| n.rsplit_once(".tmp-")) {
+            Some((what, pid)) if what == "latest" || what.starts_with("step-") => {
+                pid.parse::<u32>().is_ok_and(|pid| !alive(pid))
+            }
+            _ => name == ".latest.tmp",
+        };
+        if !stale {
+            continue;
+        }
+        let path = entry.path();
+        tracing::info!(path = %path.display(), "removing what a killed checkpoint writer left");
+        let removed = match entry.file_type() {
+            Ok(t) if t.is_dir() => fs::remove_dir_all(&path),
+            _ => fs::remove_file(&path),
+        };
+        if let Err(e) = removed {
+            tracing::warn!(path = %path.display(), "cannot remove it: {e}");
+        }
+    }
+}
+
+/// Whether process `pid` is running (ours is).
+fn alive(pid: u32) -> bool {
+    pid == std::process::id() || Path::new(&format!("/proc/{pid}")).exists()
 }
 
 #[cfg(test)]
@@ -259,6 +420,7 @@ mod tests {
                 epoch: 1,
                 plan_cursor: step * 4,
                 adam_t: step,
+                fingerprint: fingerprint(&[("data", "d1"), ("seed", "s1"), ("target", "t1")]),
             },
             weights: vec![
                 (
@@ -276,6 +438,13 @@ mod tests {
         }
     }
 
+    fn fingerprint(fields: &[(&str, &str)]) -> BTreeMap<String, String> {
+        fields
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect()
+    }
+
     fn temp_root(tag: &str) -> PathBuf {
         let p = std::env::temp_dir().join(format!("dflash-ckpt-{}-{tag}", std::process::id()));
         let _ = fs::remove_dir_all(&p);
@@ -286,15 +455,17 @@ mod tests {
     fn round_trip_latest_and_rotation() {
         let root = temp_root("a");
         assert!(load_latest(&root).unwrap().is_none());
-        let writer = Writer::start(root.clone(), 2).unwrap();
+        let mut writer = Writer::start(root.clone(), 2).unwrap();
         for step in [10, 20, 30] {
-            writer.submit(snapshot(step));
+            writer.submit(snapshot(step)).unwrap();
         }
-        let results = writer.finish();
+        let results = writer.finish().unwrap();
         assert_eq!(results.len(), 3);
         assert!(results.iter().all(Result::is_ok));
         assert_eq!(steps(&root), vec![20, 30], "the newest two are kept");
-        assert_eq!(load_latest(&root).unwrap().unwrap(), snapshot(30));
+        let (dir, loaded) = load_latest(&root).unwrap().unwrap();
+        assert_eq!(dir, root.join("step-30"));
+        assert_eq!(loaded, snapshot(30), "the run fingerprint included");
         // Nothing half-made is left beside them.
         let names: Vec<String> = fs::read_dir(&root)
             .unwrap()
@@ -324,6 +495,184 @@ mod tests {
             .map(|t| t.0)
             .collect();
         assert_eq!(names, vec!["fc.weight", "norm.weight"]);
+        fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn a_checkpoint_of_another_run_is_refused_naming_what_differs() {
+        let root = temp_root("fingerprint");
+        save(&root, &snapshot(40), 2).unwrap();
+        let (dir, loaded) = load_latest(&root).unwrap().unwrap();
+        let theirs = &loaded.state.fingerprint;
+        let ours = fingerprint(&[("data", "d1"), ("seed", "s1"), ("target", "t1")]);
+        assert_eq!(check_fingerprint(&dir, &ours, theirs), Ok(()));
+        let ours = fingerprint(&[("data", "d2"), ("seed", "s2"), ("target", "t1")]);
+        assert_eq!(
+            check_fingerprint(&dir, &ours, theirs).unwrap_err(),
+            format!(
+                "checkpoint {} belongs to another run: it differs in data, seed (resume only the run that wrote it, or launch into a new --run-dir)",
+                root.join("step-40").display()
+            )
+        );
+        // A field only one side has differs too.
+        let ours = fingerprint(&[
+            ("data", "d1"),
+            ("epochs", "e1"),
+            ("seed", "s1"),
+            ("target", "t1"),
+        ]);
+        let e = check_fingerprint(&dir, &ours, theirs).unwrap_err();
+        assert!(e.contains("it differs in epochs ("), "{e}");
+        // Settings without a fingerprint check nothing.
+        assert_eq!(check_fingerprint(&dir, &BTreeMap::new(), theirs), Ok(()));
+        fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn a_checkpoint_without_a_fingerprint_is_refused_by_a_run_with_one() {
+        let root = temp_root("no-fingerprint");
+        let mut old = snapshot(8);
+        old.state.fingerprint.clear();
+        save(&root, &old, 2).unwrap();
+        // As written before checkpoints carried one: no such field at all.
+        let state = root.join("step-8/state.json");
+        let mut json: Value = serde_json::from_slice(&fs::read(&state).unwrap()).unwrap();
+        json.as_object_mut().unwrap().remove("fingerprint");
+        fs::write(&state, serde_json::to_vec(&json).unwrap()).unwrap();
+        let (dir, loaded) = load_latest(&root).unwrap().unwrap();
+        assert!(loaded.state.fingerprint.is_empty());
+        let e = check_fingerprint(
+            &dir,
+            &snapshot(8).state.fingerprint,
+            &loaded.state.fingerprint,
+        )
+        .unwrap_err();
+        assert_eq!(
+            e,
+            format!(
+                "checkpoint {} belongs to another run: it has no run fingerprint (resume only the run that wrote it, or launch into a new --run-dir)",
+                dir.display()
+            )
+        );
+        assert_eq!(
+            check_fingerprint(&dir, &BTreeMap::new(), &BTreeMap::new()),
+            Ok(())
+        );
+        fs::remove_dir_all(&root).unwrap();
+    }
+
+    /// Polls `writer` until it reports its thread dead; fails the test after a minute.
+    fn wait_for_failure(writer: &mut Writer) -> WriterFailed {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        loop {
+            match writer.finished() {
+                Err(failed) => return failed,
+                Ok(_) => {
+                    assert!(std::time::Instant::now() < deadline, "no failure reported");
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_panic_of_the_writer_thread_is_reported_not_swallowed() {
+        let root = temp_root("panic");
+        let mut writer = Writer::start_with(root.clone(), 2, |root, snapshot, keep| {
+            if snapshot.state.step == 20 {
+                panic!("disk on fire at step {}", snapshot.state.step);
+            }
+            save(root, snapshot, keep)
+        })
+        .unwrap();
+        writer.submit(snapshot(10)).unwrap();
+        writer.submit(snapshot(20)).unwrap();
+        let failed = wait_for_failure(&mut writer);
+        assert_eq!(
+            failed.to_string(),
+            "checkpoint writer failed: disk on fire at step 20"
+        );
+        // From then on every call says so, and nothing more is written.
+        assert_eq!(writer.submit(snapshot(30)), Err(failed.clone()));
+        assert_eq!(writer.finished().unwrap_err(), failed);
+        assert_eq!(writer.finish().unwrap_err(), failed);
+        assert_eq!(steps(&root), vec![10]);
+
+        // Reported by `finish` too when nobody asked before.
+        let mut writer = Writer::start_with(root.clone(), 2, |_, _, _| -> io::Result<PathBuf> {
+            panic!("no space")
+        })
+        .unwrap();
+        writer.submit(snapshot(40)).unwrap();
+        assert_eq!(
+            writer.finish().unwrap_err().to_string(),
+            "checkpoint writer failed: no space"
+        );
+        fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn submit_waits_while_the_writer_is_behind() {
+        let root = temp_root("bounded");
+        let (gate, opened) = mpsc::channel::<()>();
+        let mut writer = Writer::start_with(root.clone(), 5, move |root, snapshot, keep| {
+            opened.recv().unwrap();
+            save(root, snapshot, keep)
+        })
+        .unwrap();
+        // One being written (held at the gate), one queued: the third waits for room.
+        writer.submit(snapshot(1)).unwrap();
+        writer.submit(snapshot(2)).unwrap();
+        let third = std::thread::spawn(move || {
+            writer.submit(snapshot(3)).unwrap();
+            writer
+        });
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        assert!(!third.is_finished(), "submit returned with the queue full");
+        for _ in 0..3 {
+            gate.send(()).unwrap();
+        }
+        let writer = third.join().unwrap();
+        assert_eq!(writer.finish().unwrap().len(), 3);
+        assert_eq!(steps(&root), vec![1, 2, 3]);
+        fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn starting_removes_what_killed_writers_left() {
+        let root = temp_root("stale");
+        fs::create_dir_all(&root).unwrap();
+        // Above the largest pid Linux hands out (2^22): never a running process.
+        let dead = 4_194_304 + 17;
+        let live = [1, std::process::id()];
+        let stale = [
+            format!(".step-40.tmp-{dead}"),
+            format!(".latest.tmp-{dead}"),
+            ".latest.tmp".to_owned(),
+        ];
+        let kept = [
+            format!(".step-50.tmp-{}", live[0]),
+            format!(".step-60.tmp-{}", live[1]),
+            format!(".latest.tmp-{}", live[0]),
+            format!(".other.tmp-{dead}"),
+            "step-30".to_owned(),
+        ];
+        for name in stale.iter().chain(&kept) {
+            if name.contains("step-") || name.starts_with(".other") {
+                fs::create_dir(root.join(name)).unwrap();
+                fs::write(root.join(name).join("model.safetensors"), b"half").unwrap();
+            } else {
+                fs::write(root.join(name), b"step-30").unwrap();
+            }
+        }
+        let writer = Writer::start(root.clone(), 2).unwrap();
+        assert!(writer.finish().unwrap().is_empty());
+        for name in &stale {
+            assert!(!root.join(name).exists(), "{name} is left");
+        }
+        for name in &kept {
+            assert!(root.join(name).exists(), "{name} was removed");
+        }
         fs::remove_dir_all(&root).unwrap();
     }
 }
@@ -490,6 +839,7 @@ mod resume_tests {
             epoch: 0,
             plan_cursor: 3,
             adam_t: 0,
+            fingerprint: BTreeMap::new(),
         };
         save(
             &root,
@@ -504,7 +854,7 @@ mod resume_tests {
             AdamWConfig::default(),
         )
         .unwrap();
-        let loaded = load_latest(&root).unwrap().unwrap();
+        let (_, loaded) = load_latest(&root).unwrap().unwrap();
         assert_eq!(loaded.state.step, 3);
         assert_eq!(loaded.config["architectures"][0], "DFlashDraftModel");
         restore(&loaded, &resumed, &mut opt2, &Device::Cpu).unwrap();

@@ -2,7 +2,8 @@
 //! token, the hidden states of `target_layer_ids` (concatenated) into its feature slot, after the
 //! batch's tokens and loss masks. The drafter worker trains the DFlash drafter on them, one
 //! micro-batch per job in plan order, steps the optimiser at the end of each accumulation group,
-//! and checkpoints in the background; it starts from the latest checkpoint of the run, if any.
+//! and checkpoints in the background; it starts from the latest checkpoint of the run, if any,
+//! and refuses one that another run wrote (its run fingerprint differs).
 //!
 //! Every random choice of a step (the anchors) is derived from (seed, step, sequence), and the
 //! initial weights from the seed, so replaying the plan from a checkpoint gives the same weights.
@@ -279,12 +280,17 @@ impl DrafterStage {
         .map_err(err)?;
         let (mut step, mut cursor, mut epoch) = (0, 0, 0);
         let root = &settings.checkpoint_dir;
-        if let Some(snapshot) = checkpoint::load_latest(root).map_err(|e| {
+        if let Some((dir, snapshot)) = checkpoint::load_latest(root).map_err(|e| {
             format!(
                 "cannot read the latest checkpoint in {}: {e}",
                 root.display()
             )
         })? {
+            checkpoint::check_fingerprint(
+                &dir,
+                &settings.fingerprint,
+                &snapshot.state.fingerprint,
+            )?;
             checkpoint::restore(&snapshot, &drafter, &mut opt, device).map_err(|e| {
                 format!(
                     "the latest checkpoint in {} does not fit this drafter: {e}",
@@ -332,20 +338,26 @@ impl DrafterStage {
                 epoch: self.epoch,
                 plan_cursor: self.cursor,
                 adam_t: 0,
+                fingerprint: self.settings.fingerprint.clone(),
             },
             self.hf_config.clone(),
         )
         .map_err(err)?;
-        if let Some(w) = &self.writer {
-            w.submit(snapshot);
+        if let Some(w) = &mut self.writer {
+            // Waits while the writer is a checkpoint behind.
+            w.submit(snapshot).map_err(err)?;
         }
         self.saved_step = self.step;
         Ok(())
     }
 
-    /// Fails on a checkpoint the writer could not write.
-    fn check_writer(&self) -> Result<(), String> {
-        for done in self.writer.iter().flat_map(|w| w.finished()) {
+    /// Fails on a checkpoint the writer could not write, and once the writer itself has died
+    /// ("checkpoint writer failed: <its panic>").
+    fn check_writer(&mut self) -> Result<(), String> {
+        let Some(writer) = &mut self.writer else {
+            return Ok(());
+        };
+        for done in writer.finished().map_err(err)? {
             done.map_err(|e| format!("checkpoint failed: {e}"))?;
         }
         Ok(())
@@ -504,7 +516,7 @@ impl Stage for DrafterStage {
         let Some(writer) = self.writer.take() else {
             return Ok(());
         };
-        for done in writer.finish() {
+        for done in writer.finish().map_err(err)? {
             done.map_err(|e| format!("checkpoint failed: {e}"))?;
         }
         Ok(())

@@ -4,9 +4,15 @@
 //! and runs its stage on the batches the orchestrator hands it, one job at a time, answering each.
 //! A heartbeat thread tells the orchestrator it is alive; when the orchestrator goes away the
 //! worker exits (and the kernel kills it if the orchestrator dies: PR_SET_PDEATHSIG).
+//!
+//! Test and fault-injection hooks (see [`faults`]), off unless set:
+//! - `DFLASH_WORKER_FAULTS=1`: SIGUSR1 makes the next Forward or Train job hang forever while
+//!   heartbeats continue (without it, SIGUSR1 keeps its default action);
+//! - `DFLASH_WORKER_HANG_EVERY_JOB=1`: every Forward and Train job hangs that way.
 
 pub mod checkpoint;
 pub mod dflash;
+pub mod faults;
 pub mod model;
 pub mod rng;
 pub mod stage;
@@ -155,6 +161,9 @@ pub fn run(args: WorkerArgs) -> Result<(), WorkerError> {
             args.stage
         )));
     }
+    // Before connecting: once the orchestrator knows us, a SIGUSR1 must find the hook.
+    let faults = faults::Faults::from_env()
+        .map_err(|e| WorkerError::Invalid(format!("cannot install the SIGUSR1 hook: {e}")))?;
     let lost = |e: &dyn std::fmt::Display| WorkerError::Disconnected(e.to_string());
     let bootstrap = IpcSender::<Hello>::connect(name).map_err(|e| lost(&e))?;
     let (jobs_tx, jobs) = ipc::channel::<Job>().map_err(|e| lost(&e))?;
@@ -206,8 +215,20 @@ pub fn run(args: WorkerArgs) -> Result<(), WorkerError> {
     events.send(Event::Ready).map_err(|e| lost(&e))?;
     loop {
         let job = dflash_common::wire::recv(&jobs).map_err(|e| lost(&e))?;
+        if !matches!(job, Job::Stop) && faults.hang_now() {
+            faults::hang(&format!("{job:?}"));
+        }
         let reply = match job {
-            Job::Stop => return stage.stop().map_err(WorkerError::Stage),
+            Job::Stop => {
+                return stage.stop().map_err(|reason| {
+                    // The run fails with this reason (a lost final checkpoint), not a bare exit code.
+                    let _ = events.send(Event::Failed {
+                        id: None,
+                        reason: reason.clone(),
+                    });
+                    WorkerError::Stage(reason)
+                });
+            }
             Job::Forward { id, input, feature } => {
                 let ring = input_ring
                     .as_ref()
