@@ -36,6 +36,28 @@ pub struct DflashSettings {
     /// The largest batch in tokens (sizes the feature slots).
     pub token_budget: u64,
     pub checkpoint_dir: PathBuf,
+    /// The run fingerprint: for each thing that decides the trained weights (`target`, `data`,
+    /// `planner`, `seed`, `optimiser`, `drafter`, `loss`, `epochs`), a hex hash of it. Written into
+    /// every checkpoint's `state.json`; a drafter refuses a checkpoint whose fingerprint differs,
+    /// naming the fields that differ.
+    #[serde(default)]
+    pub fingerprint: BTreeMap<String, String>,
+}
+
+/// The fields of a run fingerprint that differ between `ours` and `theirs` (missing on either side
+/// counts as different), in name order.
+pub fn fingerprint_differences(
+    ours: &BTreeMap<String, String>,
+    theirs: &BTreeMap<String, String>,
+) -> Vec<String> {
+    let mut names: Vec<&String> = ours.keys().chain(theirs.keys()).collect();
+    names.sort();
+    names.dedup();
+    names
+        .into_iter()
+        .filter(|n| ours.get(*n) != theirs.get(*n))
+        .cloned()
+        .collect()
 }
 
 /// `config.json` fields of a Qwen3 target.

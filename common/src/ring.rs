@@ -210,6 +210,10 @@ pub fn features_offset(token_budget: u64) -> usize {
     (input_data_bytes(token_budget) as usize).next_multiple_of(64)
 }
 
+/// The largest token budget a slot can describe: sample lengths and `cu_seqlens` are `u32`
+/// offsets into the slot's tokens.
+pub const MAX_TOKEN_BUDGET: u64 = u32::MAX as u64;
+
 /// Data bytes of a feature slot: the batch (packed) and `width` f32 features per token.
 pub fn feature_data_bytes(token_budget: u64, width: u64) -> u64 {
     features_offset(token_budget) as u64 + 4 * token_budget * width

@@ -38,9 +38,18 @@ pub fn run_id(run_dir: &Path) -> String {
     format!("{h:016x}")
 }
 
-/// Path of one of the run's segments (`input`, `feature`).
-pub fn segment(run_id: &str, ring: &str) -> PathBuf {
-    Path::new(SHM_DIR).join(format!("dflash-{run_id}-{ring}"))
+/// The run directory's record of the shared-memory segments its live (or last) launch created,
+/// one path per line: what `clean` and a resume remove, and nothing else.
+pub const SEGMENTS: &str = "segments";
+
+pub fn segments_record(run_dir: &Path) -> PathBuf {
+    run_dir.join(SEGMENTS)
+}
+
+/// Path of one of the run's segments (`input`, `feature`). `nonce` is drawn anew by every launch,
+/// so nobody can block a run by creating its segment names first.
+pub fn segment(run_id: &str, nonce: u64, ring: &str) -> PathBuf {
+    Path::new(SHM_DIR).join(format!("{}{nonce:016x}-{ring}", segment_prefix(run_id)))
 }
 
 /// Prefix shared by every segment of the run.

@@ -173,6 +173,29 @@ fn init_logging(verbose: u8) {
         .try_init();
 }
 
+/// Parses a command line; `launch` learns which options were given on it (for `--resume`).
+pub fn parse<I, T>(args: I) -> Result<Cli, clap::Error>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    use clap::{CommandFactory, FromArgMatches};
+    let matches = Cli::command().try_get_matches_from(args)?;
+    let mut cli = Cli::from_arg_matches(&matches)?;
+    if let (Command::Launch(launch), Some(sub)) =
+        (&mut cli.command, matches.subcommand_matches("launch"))
+    {
+        launch.given = sub
+            .ids()
+            .filter(|id| {
+                sub.value_source(id.as_str()) == Some(clap::parser::ValueSource::CommandLine)
+            })
+            .map(|id| id.as_str().replace('_', "-"))
+            .collect();
+    }
+    Ok(cli)
+}
+
 /// Runs a parsed command line.
 pub fn run(cli: Cli) -> Result<(), CliError> {
     match cli.command {
@@ -193,7 +216,7 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
 
 /// The binary's `main`: parse, log, run, map the outcome to an exit code.
 pub fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = parse(std::env::args_os()).unwrap_or_else(|e| e.exit());
     init_logging(cli.verbose);
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,

@@ -9,6 +9,7 @@ pub mod commands;
 pub mod fsutil;
 pub mod ingest;
 pub mod observe;
+pub mod options;
 pub mod parallel;
 mod parsers_never_panic;
 pub mod planner;

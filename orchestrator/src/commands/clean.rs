@@ -18,8 +18,7 @@ pub fn run(args: CleanArgs) -> Result<(), CliError> {
     // Refuses while the run is live (its orchestrator holds the lock).
     let _lock =
         runtime::lock_run_dir(&args.run_dir).map_err(|e| CliError::Invalid(e.to_string()))?;
-    let id = dflash_common::run_dir::run_id(&args.run_dir);
-    let removed = runtime::remove_segments(&id);
+    let removed = runtime::remove_recorded_segments(&args.run_dir);
     let _ = std::fs::remove_file(dflash_common::run_dir::control_socket(&args.run_dir));
     eprintln!(
         "removed {} shared-memory segment(s) of {}",

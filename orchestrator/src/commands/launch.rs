@@ -4,8 +4,9 @@ use std::path::PathBuf;
 
 use clap::Args;
 
-use super::plan::{PlannerFlags, config_from_args};
+use super::plan::{PlannerFlags, config_from_args as plan_config_from_args};
 use crate::cli::CliError;
+use crate::options;
 use crate::runtime::{self, Outcome, PlannerSettings, RunConfig, RunError};
 use dflash_common::dflash::DflashSettings;
 
@@ -24,8 +25,8 @@ pub struct LaunchArgs {
     pub data: Option<PathBuf>,
 
     /// Train on N synthetic samples (seed-shaped lengths, synthetic token ids).
-    #[arg(long, value_name = "N")]
-    pub synthetic: Option<usize>,
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=100_000_000))]
+    pub synthetic: Option<u64>,
 
     /// Seed of the synthetic workload.
     #[arg(long, value_name = "S", default_value_t = 0)]
@@ -38,15 +39,15 @@ pub struct LaunchArgs {
     pub stage: String,
 
     /// Synthetic stage: microseconds a target spends per token.
-    #[arg(long, value_name = "US", default_value_t = 0.0)]
+    #[arg(long, value_name = "US", default_value_t = 0.0, value_parser = options::real(0.0, 1e6, " microseconds"))]
     pub synthetic_us_per_token: f64,
 
     /// T:D, T target workers and D drafter workers [default: all but one are targets].
     #[arg(long, value_name = "T:D")]
     pub topology: Option<String>,
 
-    /// Epochs to train.
-    #[arg(long, value_name = "N", default_value_t = 6)]
+    /// Epochs to train (1 to 1000).
+    #[arg(long, value_name = "N", default_value_t = 6, value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub epochs: u32,
 
     #[command(flatten)]
@@ -56,20 +57,32 @@ pub struct LaunchArgs {
     pub dflash: DflashFlags,
 
     /// Restarts a worker may need within --restart-window before the run fails.
-    #[arg(long, value_name = "N", default_value_t = 5)]
+    #[arg(long, value_name = "N", default_value_t = 5, value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
     pub max_restarts: u32,
 
-    /// The window of --max-restarts, in seconds.
-    #[arg(long, value_name = "SECS", default_value_t = 600.0)]
+    /// The window of --max-restarts, in seconds (up to 30 days).
+    #[arg(long, value_name = "SECS", default_value_t = 600.0, value_parser = options::positive(2_592_000.0, " seconds"))]
     pub restart_window: f64,
 
-    /// A worker silent for this long is killed and restarted (hung, e.g. SIGSTOP).
-    #[arg(long, value_name = "SECS", default_value_t = 30.0)]
+    /// A worker silent for this long is killed and restarted (hung, e.g. SIGSTOP); 0.1 to 86400.
+    #[arg(long, value_name = "SECS", default_value_t = 30.0, value_parser = options::real(0.1, 86_400.0, " seconds"))]
     pub heartbeat_timeout: f64,
 
+    /// A job running longer than this is taken for a hang inside the job (a wedged kernel, a
+    /// driver call, a deadlock: heartbeats come from their own thread and stay fresh): the worker
+    /// is killed and restarted and its batch handed out again. auto: the larger of 120 s and ten
+    /// times the role's moving p95 job time. 1 to 604800 seconds, or auto.
+    #[arg(long, value_name = "SECS|auto", default_value = "auto", value_parser = options::seconds_or_auto(1.0, 604_800.0))]
+    pub job_timeout: options::JobTimeout,
+
+    /// How long stopping workers may take (the drafter writes its final checkpoint: allow for its
+    /// size on slow disks) before they are killed; 1 to 86400 seconds.
+    #[arg(long, value_name = "SECS", default_value_t = 300.0, value_parser = options::real(1.0, 86_400.0, " seconds"))]
+    pub stop_grace: f64,
+
     /// Seconds between monitor readings: GPU power, utilization, memory, temperature, clocks and
-    /// throttling through NVML, and every worker's CPU and memory.
-    #[arg(long, value_name = "SECS", default_value_t = 1.0)]
+    /// throttling through NVML, and every worker's CPU and memory; 0.05 to 3600.
+    #[arg(long, value_name = "SECS", default_value_t = 1.0, value_parser = options::real(0.05, 3600.0, " seconds"))]
     pub monitor_interval: f64,
 
     /// Serve Prometheus metrics on GET /metrics at PORT (on 127.0.0.1) or HOST:PORT (port 0
@@ -77,9 +90,17 @@ pub struct LaunchArgs {
     #[arg(long, value_name = "ADDR")]
     pub metrics_addr: Option<String>,
 
-    /// Continue the run in --run-dir from its journal (its options come from the journal).
+    /// Continue the run in --run-dir from its journal. Its options come from the journal: an
+    /// option given again must have the journal's value, except those that may change on resume:
+    /// --gpus and --topology (the number of target workers; one drafter), --metrics-addr,
+    /// --job-timeout, --stop-grace, --heartbeat-timeout, --monitor-interval, --max-restarts and
+    /// --restart-window.
     #[arg(long)]
     pub resume: bool,
+
+    /// The options given on the command line (long names), for --resume to compare.
+    #[arg(skip)]
+    pub given: Vec<String>,
 }
 
 /// The DFlash stage's options (`--stage dflash`).
@@ -96,49 +117,50 @@ pub struct DflashFlags {
     #[arg(long, value_name = "IDS", value_delimiter = ',')]
     pub target_layer_ids: Option<Vec<usize>>,
 
-    /// Decoder layers of the drafter.
-    #[arg(long, value_name = "N", default_value_t = 5)]
-    pub draft_layers: usize,
+    /// Decoder layers of the drafter (1 to 64).
+    #[arg(long, value_name = "N", default_value_t = 5, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub draft_layers: u16,
 
-    /// Tokens per draft block (the anchor and block-1 mask tokens).
-    #[arg(long, value_name = "N", default_value_t = 16)]
-    pub block_size: usize,
+    /// Tokens per draft block (the anchor and block-1 mask tokens); 2 to 256.
+    #[arg(long, value_name = "N", default_value_t = 16, value_parser = clap::value_parser!(u16).range(2..=256))]
+    pub block_size: u16,
 
-    /// Blocks sampled per sequence at each step.
-    #[arg(long, value_name = "N", default_value_t = 512)]
-    pub num_anchors: usize,
+    /// Blocks sampled per sequence at each step (1 to 65536).
+    #[arg(long, value_name = "N", default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..=65_536))]
+    pub num_anchors: u32,
 
     /// The mask token of the blocks [default: the last id of the target's vocabulary].
     #[arg(long, value_name = "ID")]
     pub mask_token_id: Option<u32>,
 
-    /// Peak learning rate.
-    #[arg(long, value_name = "LR", default_value_t = 6e-4)]
+    /// Peak learning rate (above 0, at most 1).
+    #[arg(long, value_name = "LR", default_value_t = 6e-4, value_parser = options::positive(1.0, ""))]
     pub lr: f64,
 
-    /// Fraction of the optimiser steps spent warming up (then cosine decay).
-    #[arg(long, value_name = "R", default_value_t = 0.04)]
+    /// Fraction of the optimiser steps spent warming up (then cosine decay); 0 to 1.
+    #[arg(long, value_name = "R", default_value_t = 0.04, value_parser = options::real(0.0, 1.0, ""))]
     pub warmup_ratio: f64,
 
-    /// Gradient clipping: maximum global norm.
-    #[arg(long, value_name = "NORM", default_value_t = 1.0)]
+    /// Gradient clipping: maximum global norm (above 0, at most 1e6).
+    #[arg(long, value_name = "NORM", default_value_t = 1.0, value_parser = options::positive(1e6, ""))]
     pub clip: f64,
 
-    /// Loss decay over block positions, exp(-(k-1)/GAMMA) [default: none, uniform].
-    #[arg(long, value_name = "GAMMA")]
+    /// Loss decay over block positions, exp(-(k-1)/GAMMA), GAMMA above 0 and at most 1e6
+    /// [default: none, uniform].
+    #[arg(long, value_name = "GAMMA", value_parser = options::positive(1e6, ""))]
     pub gamma: Option<f64>,
 
-    /// AdamW weight decay.
-    #[arg(long, value_name = "WD", default_value_t = 0.01)]
+    /// AdamW weight decay; 0 to 1.
+    #[arg(long, value_name = "WD", default_value_t = 0.01, value_parser = options::real(0.0, 1.0, ""))]
     pub weight_decay: f64,
 
-    /// Write a checkpoint every N optimiser steps (and at the end).
-    #[arg(long, value_name = "N", default_value_t = 100)]
+    /// Write a checkpoint every N optimiser steps (and at the end); 1 to 1e9.
+    #[arg(long, value_name = "N", default_value_t = 100, value_parser = clap::value_parser!(u64).range(1..=1_000_000_000))]
     pub save_every: u64,
 
-    /// Checkpoints to keep.
-    #[arg(long, value_name = "N", default_value_t = 3)]
-    pub keep_checkpoints: usize,
+    /// Checkpoints to keep (1 to 1000).
+    #[arg(long, value_name = "N", default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..=1000))]
+    pub keep_checkpoints: u16,
 }
 
 impl DflashFlags {
@@ -155,12 +177,12 @@ impl DflashFlags {
             target_layer_ids: self.target_layer_ids.clone().unwrap_or_else(|| {
                 dflash_common::dflash::default_target_layer_ids(
                     target.num_hidden_layers,
-                    self.draft_layers,
+                    usize::from(self.draft_layers),
                 )
             }),
-            draft_layers: self.draft_layers,
-            block_size: self.block_size,
-            num_anchors: self.num_anchors,
+            draft_layers: usize::from(self.draft_layers),
+            block_size: usize::from(self.block_size),
+            num_anchors: self.num_anchors as usize,
             mask_token_id: self
                 .mask_token_id
                 .unwrap_or(target.vocab_size.saturating_sub(1) as u32),
@@ -171,88 +193,98 @@ impl DflashFlags {
             weight_decay: self.weight_decay,
             seed,
             save_every: self.save_every,
-            keep_checkpoints: self.keep_checkpoints,
+            keep_checkpoints: usize::from(self.keep_checkpoints),
             total_steps: 0,
             token_budget: 0,
             checkpoint_dir: PathBuf::new(),
+            fingerprint: Default::default(),
         })
     }
 }
 
-pub fn run(args: LaunchArgs) -> Result<(), CliError> {
-    if !(args.monitor_interval >= 0.05 && args.monitor_interval.is_finite()) {
-        return Err(CliError::Invalid(
-            "--monitor-interval must be at least 0.05 seconds".into(),
-        ));
-    }
+/// The run's options as a fresh launch takes them; on resume, options not given come from the
+/// journal's `stored` ones (so that the given ones can be compared with it).
+pub fn config_from_args(
+    args: &LaunchArgs,
+    stored: Option<&RunConfig>,
+) -> Result<RunConfig, CliError> {
+    let gpus = args
+        .gpus
+        .clone()
+        .or_else(|| stored.map(|s| s.gpus.clone()))
+        .ok_or_else(|| CliError::Invalid("--gpus is required (e.g. --gpus 0-7 or cpu:3)".into()))?;
     if let Some(addr) = &args.metrics_addr {
         crate::observe::prom::parse_addr(addr).map_err(CliError::Invalid)?;
     }
-    if !(args.heartbeat_timeout > 0.0 && args.heartbeat_timeout.is_finite()) {
-        return Err(CliError::Invalid(
-            "--heartbeat-timeout must be positive".into(),
-        ));
-    }
-    let config = if args.resume {
-        // Taken from the journal.
-        RunConfig {
-            gpus: String::new(),
-            topology: None,
-            data: None,
-            synthetic: None,
-            synthetic_seed: 0,
-            stage: String::new(),
-            synthetic_us_per_token: 0.0,
-            epochs: 0,
-            planner: PlannerSettings::from_config(&Default::default()),
-            max_restarts: 0,
-            restart_window_s: 0.0,
-            heartbeat_timeout_s: 0.0,
-            heartbeat_ms: 0,
-            monitor_interval_s: 1.0,
-            metrics_addr: None,
-            dflash: None,
-        }
-    } else {
-        let gpus = args.gpus.clone().ok_or_else(|| {
-            CliError::Invalid("--gpus is required (e.g. --gpus 0-7 or cpu:3)".into())
-        })?;
-        if args.data.is_some() == args.synthetic.is_some() {
+    let (data, synthetic) = match (&args.data, args.synthetic, stored) {
+        (None, None, Some(s)) => (s.data.clone(), s.synthetic),
+        (Some(_), Some(_), _) | (None, None, None) => {
             return Err(CliError::Invalid(
                 "pass exactly one of --data STORE and --synthetic N".into(),
             ));
         }
-        let plan = config_from_args(&args.planner)?;
-        let dflash = match args.stage.as_str() {
-            "dflash" => Some(args.dflash.settings(plan.seed)?),
-            _ if args.dflash.target_model.is_some() => {
-                return Err(CliError::Invalid(
-                    "--target-model goes with --stage dflash".into(),
-                ));
-            }
-            _ => None,
-        };
-        RunConfig {
-            gpus,
-            topology: args.topology.clone(),
-            data: args
-                .data
-                .as_ref()
+        (data, synthetic, _) => (
+            data.as_ref()
                 .map(|d| d.canonicalize().unwrap_or_else(|_| d.clone())),
-            synthetic: args.synthetic,
-            synthetic_seed: args.synthetic_seed,
-            stage: args.stage.clone(),
-            synthetic_us_per_token: args.synthetic_us_per_token.max(0.0),
-            epochs: args.epochs,
-            planner: PlannerSettings::from_config(&plan),
-            max_restarts: args.max_restarts,
-            restart_window_s: args.restart_window,
-            heartbeat_timeout_s: args.heartbeat_timeout,
-            heartbeat_ms: ((args.heartbeat_timeout * 1000.0 / 10.0) as u64).clamp(20, 1000),
-            monitor_interval_s: args.monitor_interval,
-            metrics_addr: args.metrics_addr.clone(),
-            dflash,
+            synthetic.map(|n| n as usize),
+        ),
+    };
+    let given = |flag: &str| args.given.iter().any(|g| g == flag);
+    let stage = match stored {
+        Some(s) if !given("stage") => s.stage.clone(),
+        _ => args.stage.clone(),
+    };
+    let plan = plan_config_from_args(&args.planner)?;
+    let dflash = match stage.as_str() {
+        "dflash" => {
+            let mut flags = args.dflash.clone();
+            if flags.target_model.is_none() {
+                flags.target_model = stored
+                    .and_then(|s| s.dflash.as_ref())
+                    .map(|d| d.target_model.clone());
+            }
+            Some(flags.settings(plan.seed)?)
         }
+        _ if args.dflash.target_model.is_some() => {
+            return Err(CliError::Invalid(
+                "--target-model goes with --stage dflash".into(),
+            ));
+        }
+        _ => None,
+    };
+    Ok(RunConfig {
+        gpus,
+        topology: args.topology.clone(),
+        data,
+        synthetic,
+        synthetic_seed: args.synthetic_seed,
+        stage,
+        synthetic_us_per_token: args.synthetic_us_per_token,
+        epochs: args.epochs,
+        planner: PlannerSettings::from_config(&plan),
+        max_restarts: args.max_restarts,
+        restart_window_s: args.restart_window,
+        heartbeat_timeout_s: args.heartbeat_timeout,
+        heartbeat_ms: ((args.heartbeat_timeout * 1000.0 / 10.0) as u64).clamp(20, 1000),
+        monitor_interval_s: args.monitor_interval,
+        metrics_addr: args.metrics_addr.clone(),
+        dflash,
+        job_timeout_s: args.job_timeout.seconds(),
+        stop_grace_s: args.stop_grace,
+    })
+}
+
+pub fn run(args: LaunchArgs) -> Result<(), CliError> {
+    let (config, changes) = if args.resume {
+        runtime::launch_plan::check_not_live(&args.run_dir).map_err(run_error)?;
+        let stored = runtime::resume::stored_config(&args.run_dir).map_err(run_error)?;
+        let session = config_from_args(&args, Some(&stored))?;
+        let given = runtime::resume::given_values(&args.given, &session);
+        let (config, changes) =
+            runtime::resume::merge(stored, &given, &session).map_err(CliError::Invalid)?;
+        (config, changes.into_iter().collect())
+    } else {
+        (config_from_args(&args, None)?, Default::default())
     };
     let line = |what: &str, s: &runtime::Summary| {
         eprintln!(
@@ -265,7 +297,7 @@ pub fn run(args: LaunchArgs) -> Result<(), CliError> {
             dflash_common::run_dir::journal(&args.run_dir).display()
         )
     };
-    match runtime::launch(config, &args.run_dir, args.resume) {
+    match runtime::launch(config, &args.run_dir, args.resume, changes) {
         Ok((Outcome::Completed, s)) => {
             line("completed", &s);
             Ok(())
@@ -278,7 +310,13 @@ pub fn run(args: LaunchArgs) -> Result<(), CliError> {
             "run stopped; continue with `dflash-orch launch --resume --run-dir {}`",
             args.run_dir.display()
         ))),
-        Err(RunError::Invalid(e)) => Err(CliError::Invalid(e)),
-        Err(RunError::Failed(e)) => Err(CliError::Failed(format!("run failed: {e}"))),
+        Err(e) => Err(run_error(e)),
+    }
+}
+
+fn run_error(e: RunError) -> CliError {
+    match e {
+        RunError::Invalid(e) => CliError::Invalid(e),
+        RunError::Failed(e) => CliError::Failed(format!("run failed: {e}")),
     }
 }

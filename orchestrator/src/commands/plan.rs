@@ -66,11 +66,12 @@ pub struct PlanArgs {
 #[derive(Debug, Clone, Args)]
 pub struct PlannerFlags {
     /// Tokens per batch: samples × longest sample for padded modes, real tokens for `packed`.
-    #[arg(long, value_name = "TOKENS", default_value_t = 49_152)]
+    #[arg(long, value_name = "TOKENS", default_value_t = 49_152,
+          value_parser = clap::value_parser!(u64).range(1..=dflash_common::ring::MAX_TOKEN_BUDGET))]
     pub token_budget: u64,
 
     /// Longest sample; longer ones are handled by --on-overlong.
-    #[arg(long, value_name = "TOKENS", default_value_t = 8192)]
+    #[arg(long, value_name = "TOKENS", default_value_t = 8192, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_len: u32,
 
     /// What to do with samples longer than --max-len: truncate | drop.
@@ -92,7 +93,7 @@ pub struct PlannerFlags {
     pub interleave: Option<Interleave>,
 
     /// Gradient accumulation steps (micro-batches per optimizer step).
-    #[arg(long, value_name = "N", default_value_t = 4)]
+    #[arg(long, value_name = "N", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub accum: u32,
 
     /// Seed of the plan: with the epoch, it fixes every batch.

@@ -19,8 +19,8 @@ pub struct StatusArgs {
     #[arg(long)]
     pub json: bool,
 
-    /// Refresh every SECS seconds until interrupted.
-    #[arg(long, value_name = "SECS")]
+    /// Refresh every SECS seconds until interrupted (0.05 to 3600).
+    #[arg(long, value_name = "SECS", value_parser = crate::options::real(0.05, 3600.0, " seconds"))]
     pub watch: Option<f64>,
 }
 

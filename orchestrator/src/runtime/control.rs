@@ -131,12 +131,13 @@ pub fn request(run_dir: &Path, request: &Request) -> Result<Value, ClientError> 
             meta.uid()
         )));
     }
-    let mut stream = UnixStream::connect(&path).map_err(|e| match e.kind() {
-        std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::NotFound => {
-            ClientError::NotRunning(run_dir.display().to_string())
-        }
-        _ => ClientError::Io(format!("{}: {e}", path.display())),
-    })?;
+    let mut stream =
+        at_short_path(run_dir, |p| UnixStream::connect(p)).map_err(|e| match e.kind() {
+            std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::NotFound => {
+                ClientError::NotRunning(run_dir.display().to_string())
+            }
+            _ => ClientError::Io(format!("{}: {e}", path.display())),
+        })?;
     let _ = stream.set_read_timeout(Some(TIMEOUT));
     let mut line = serde_json::to_vec(request).map_err(|e| ClientError::Io(e.to_string()))?;
     line.push(b'\n');
@@ -155,11 +156,47 @@ pub fn request(run_dir: &Path, request: &Request) -> Result<Value, ClientError> 
     Ok(value)
 }
 
+/// Longest socket path bound or connected directly (`sun_path` holds 108 bytes with its NUL).
+const SUN_PATH_MAX: usize = 100;
+
+/// Runs `f` with a path of the run directory's control socket short enough for `bind`/`connect`:
+/// the path itself, or for a long run directory, the socket through `/proc/self/fd/N` of the
+/// directory opened here (the socket still lives in the run directory, where `status` finds it).
+fn at_short_path<T>(
+    run_dir: &Path,
+    f: impl FnOnce(&Path) -> std::io::Result<T>,
+) -> std::io::Result<T> {
+    let path = dflash_common::run_dir::control_socket(run_dir);
+    if path.as_os_str().len() <= SUN_PATH_MAX {
+        return f(&path);
+    }
+    let dir = std::fs::File::open(run_dir)?;
+    let short = Path::new("/proc/self/fd")
+        .join(std::os::fd::AsRawFd::as_raw_fd(&dir).to_string())
+        .join(dflash_common::run_dir::CONTROL_SOCKET);
+    let result = f(&short);
+    drop(dir);
+    result
+}
+
+/// Whether the control socket of `run_dir` can be bound (a long path needs `/proc`).
+pub fn check_socket_dir(run_dir: &Path) -> Result<(), String> {
+    let path = dflash_common::run_dir::control_socket(run_dir);
+    if path.as_os_str().len() > SUN_PATH_MAX && !Path::new("/proc/self/fd").is_dir() {
+        return Err(format!(
+            "--run-dir {}: its control socket path is {} bytes, over the {SUN_PATH_MAX} a socket may have, and /proc is not mounted to reach it by a shorter one; use a shorter --run-dir",
+            run_dir.display(),
+            path.as_os_str().len()
+        ));
+    }
+    Ok(())
+}
+
 /// Binds the control socket, owner-only.
 pub fn bind(run_dir: &Path) -> std::io::Result<UnixListener> {
     let path = dflash_common::run_dir::control_socket(run_dir);
     let _ = std::fs::remove_file(&path);
-    let listener = UnixListener::bind(&path)?;
+    let listener = at_short_path(run_dir, |p| UnixListener::bind(p))?;
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
     Ok(listener)
 }

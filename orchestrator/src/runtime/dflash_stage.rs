@@ -96,3 +96,106 @@ pub(super) fn write_settings(
     .map_err(|e| RunError::Invalid(format!("{}: {e}", path.display())))?;
     Ok(path)
 }
+
+/// FNV-1a over `parts`, as 16 hex digits: an identity, not a defence against forgery.
+fn digest<'a>(parts: impl IntoIterator<Item = &'a [u8]>) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for part in parts {
+        // The length first, so the parts' boundaries count.
+        for b in (part.len() as u64).to_le_bytes().iter().chain(part) {
+            h ^= u64::from(*b);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    format!("{h:016x}")
+}
+
+/// The target's identity: its config.json and the header (names, dtypes, shapes, offsets) of
+/// every safetensors file, not the gigabytes of weights.
+fn target_identity(dir: &Path) -> Result<String, String> {
+    let read = |p: &Path| std::fs::read(p).map_err(|e| format!("{}: {e}", p.display()));
+    let mut parts = vec![read(&dir.join("config.json"))?];
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|e| format!("{}: {e}", dir.display()))?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    files.sort();
+    for file in files {
+        use std::io::Read;
+        let mut f = std::fs::File::open(&file).map_err(|e| format!("{}: {e}", file.display()))?;
+        let mut len = [0u8; 8];
+        f.read_exact(&mut len)
+            .map_err(|e| format!("{}: {e}", file.display()))?;
+        // Checked at launch to be a sane header; bounded again here.
+        let n = u64::from_le_bytes(len).min(100 << 20);
+        let mut header = Vec::new();
+        f.take(n)
+            .read_to_end(&mut header)
+            .map_err(|e| format!("{}: {e}", file.display()))?;
+        parts.push(
+            file.file_name()
+                .unwrap_or_default()
+                .as_encoded_bytes()
+                .to_vec(),
+        );
+        parts.push(header);
+    }
+    Ok(digest(parts.iter().map(Vec::as_slice)))
+}
+
+/// The run fingerprint: a hash of each thing that decides the trained weights.
+pub(super) fn fingerprint(
+    settings: &DflashSettings,
+    _target: &Qwen3Config,
+    data: &Option<PathBuf>,
+    synthetic: Option<(usize, u64)>,
+    planner: &super::PlannerSettings,
+    epochs: u32,
+) -> Result<std::collections::BTreeMap<String, String>, String> {
+    let json = |v: serde_json::Value| v.to_string().into_bytes();
+    let data_identity = match (data, synthetic) {
+        (Some(dir), _) => {
+            let meta = dir.join("meta.json");
+            std::fs::read(&meta).map_err(|e| format!("{}: {e}", meta.display()))?
+        }
+        (None, Some((n, seed))) => format!("synthetic {n} {seed}").into_bytes(),
+        (None, None) => Vec::new(),
+    };
+    let fields = [
+        ("target", target_identity(&settings.target_model)?),
+        ("data", digest([data_identity.as_slice()])),
+        (
+            "planner",
+            digest([json(serde_json::to_value(planner).unwrap_or_default()).as_slice()]),
+        ),
+        ("seed", digest([settings.seed.to_le_bytes().as_slice()])),
+        (
+            "optimiser",
+            digest([json(serde_json::json!({
+                "lr": settings.lr, "warmup_ratio": settings.warmup_ratio, "clip": settings.clip,
+                "weight_decay": settings.weight_decay, "total_steps": settings.total_steps,
+            }))
+            .as_slice()]),
+        ),
+        (
+            "drafter",
+            digest([json(serde_json::json!({
+                "draft_layers": settings.draft_layers, "block_size": settings.block_size,
+                "num_anchors": settings.num_anchors, "mask_token_id": settings.mask_token_id,
+                "target_layer_ids": settings.target_layer_ids,
+            }))
+            .as_slice()]),
+        ),
+        (
+            "loss",
+            digest([json(serde_json::json!({ "gamma": settings.gamma })).as_slice()]),
+        ),
+        ("epochs", digest([epochs.to_le_bytes().as_slice()])),
+    ];
+    Ok(fields
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect())
+}

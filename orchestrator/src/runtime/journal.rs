@@ -2,6 +2,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -19,6 +20,9 @@ pub enum Entry {
     /// An orchestrator (re)started the run.
     Resume {
         committed: u64,
+        /// Options this session changed (those that may change on resume), with their values.
+        #[serde(default, skip_serializing_if = "serde_json::Map::is_empty")]
+        changes: serde_json::Map<String, Value>,
     },
     Epoch {
         epoch: u32,
@@ -39,6 +43,12 @@ pub enum Entry {
         batch: u64,
         reason: String,
     },
+    /// The drafter's checkpoint held batches the journal had not committed (the orchestrator died
+    /// after the checkpoint): they were committed from the plan, not trained again.
+    CommittedFromCheckpoint {
+        from_step: u64,
+        to_step: u64,
+    },
     WorkerStart {
         worker: u32,
         role: String,
@@ -57,26 +67,71 @@ pub enum Entry {
 
 pub const VERSION: u32 = 1;
 
-/// Appends entries, each flushed to disk before `append` returns.
+/// Appends entries, each flushed to disk before `append` returns. A failed append (a full disk)
+/// cuts the file back to its last whole line and refuses every later append, so no entry can be
+/// glued onto a partial line: the run stops with the reason.
 pub struct JournalWriter {
     path: PathBuf,
     file: File,
+    /// Bytes of whole lines written.
+    len: u64,
+    failed: Option<String>,
 }
 
 impl JournalWriter {
+    /// Opens (or creates, fsyncing its directory) the journal for appending.
     pub fn open(path: &Path) -> io::Result<Self> {
-        let file = OpenOptions::new().create(true).append(true).open(path)?;
+        let created = !path.exists();
+        let file = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .custom_flags(nix::libc::O_NOFOLLOW)
+            .open(path)?;
+        if created {
+            file.sync_all()?;
+            if let Some(dir) = path.parent() {
+                File::open(if dir.as_os_str().is_empty() {
+                    Path::new(".")
+                } else {
+                    dir
+                })?
+                .sync_all()?;
+            }
+        }
+        let len = file.metadata()?.len();
         Ok(Self {
             path: path.to_path_buf(),
             file,
+            len,
+            failed: None,
         })
     }
 
     pub fn append(&mut self, entry: &Entry) -> io::Result<()> {
+        if let Some(why) = &self.failed {
+            return Err(io::Error::other(format!(
+                "an earlier append failed ({why}); nothing more is written"
+            )));
+        }
         let mut line = serde_json::to_vec(entry).map_err(io::Error::other)?;
         line.push(b'\n');
-        self.file.write_all(&line)?;
-        self.file.sync_data()
+        let written = self
+            .file
+            .write_all(&line)
+            .and_then(|()| self.file.sync_data());
+        match written {
+            Ok(()) => {
+                self.len += line.len() as u64;
+                Ok(())
+            }
+            Err(e) => {
+                // Cut a partial line off, so a resume reads whole lines only.
+                let _ = self.file.set_len(self.len);
+                let _ = self.file.sync_all();
+                self.failed = Some(e.to_string());
+                Err(e)
+            }
+        }
     }
 
     pub fn path(&self) -> &Path {
@@ -209,7 +264,9 @@ pub fn read(path: &Path) -> Result<History, JournalError> {
             }
             Entry::End { status, .. } => history.ended = Some(status),
             Entry::Resume { .. } => history.ended = None,
-            Entry::WorkerStart { .. } | Entry::WorkerExit { .. } => {}
+            Entry::WorkerStart { .. }
+            | Entry::WorkerExit { .. }
+            | Entry::CommittedFromCheckpoint { .. } => {}
         }
         if history.config.is_none() {
             return Err(corrupt("the journal does not start with a run line".into()));

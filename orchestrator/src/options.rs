@@ -1,0 +1,73 @@
+//! Ranges of numeric options, checked when the command line is parsed: a value out of range
+//! exits with code 2 and a message naming the option and its range, before any work starts.
+
+use clap::builder::TypedValueParser;
+
+/// A real number in `[lo, hi]` (finite); `unit` follows the number in the message.
+pub fn real(lo: f64, hi: f64, unit: &'static str) -> impl TypedValueParser<Value = f64> {
+    clap::builder::StringValueParser::new().try_map(move |s: String| parse_real(&s, lo, hi, unit))
+}
+
+/// A real number in `(0, hi]`.
+pub fn positive(hi: f64, unit: &'static str) -> impl TypedValueParser<Value = f64> {
+    clap::builder::StringValueParser::new().try_map(move |s: String| {
+        let v = parse_real(&s, 0.0, hi, unit)?;
+        if v > 0.0 {
+            Ok(v)
+        } else {
+            Err(format!("must be above 0 and at most {hi}{unit}"))
+        }
+    })
+}
+
+fn parse_real(s: &str, lo: f64, hi: f64, unit: &str) -> Result<f64, String> {
+    let v: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?} is not a number (expected {lo} to {hi}{unit})"))?;
+    if v.is_finite() && (lo..=hi).contains(&v) {
+        Ok(v)
+    } else {
+        Err(format!("{s} is out of range: must be {lo} to {hi}{unit}"))
+    }
+}
+
+/// `--job-timeout`: `auto` or seconds in `[lo, hi]`.
+pub fn seconds_or_auto(lo: f64, hi: f64) -> impl TypedValueParser<Value = JobTimeout> {
+    clap::builder::StringValueParser::new().try_map(move |s: String| {
+        if s.trim() == "auto" {
+            return Ok(JobTimeout::Auto);
+        }
+        parse_real(&s, lo, hi, " seconds, or auto").map(JobTimeout::Seconds)
+    })
+}
+
+/// A job deadline as given on the command line.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum JobTimeout {
+    Auto,
+    Seconds(f64),
+}
+
+impl JobTimeout {
+    pub fn seconds(self) -> Option<f64> {
+        match self {
+            JobTimeout::Auto => None,
+            JobTimeout::Seconds(s) => Some(s),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn out_of_range_and_non_numbers_are_refused_naming_the_range() {
+        assert_eq!(parse_real("2.5", 0.1, 10.0, " s"), Ok(2.5));
+        for bad in ["1e30", "-1", "nan", "inf", "x", ""] {
+            let e = parse_real(bad, 0.1, 10.0, " s").unwrap_err();
+            assert!(e.contains("0.1 to 10 s"), "{bad}: {e}");
+        }
+    }
+}

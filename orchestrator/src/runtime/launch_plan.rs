@@ -1,0 +1,683 @@
+//! Starting a run: every check is made before the first side effect, and a guard undoes what a
+//! launch created (files and directories in the run directory, shared-memory segments) when a
+//! later step fails, so a failed launch leaves nothing behind and a plain relaunch works.
+
+use std::collections::{BTreeSet, VecDeque};
+use std::fs::OpenOptions;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use dflash_common::dflash::Qwen3Config;
+use dflash_common::ring::{MAX_TOKEN_BUDGET, Ring, feature_data_bytes, input_data_bytes};
+use dflash_common::run_dir;
+use dflash_common::wire::Role;
+
+use super::journal::{self, Entry, JournalWriter};
+use super::resume::{self, Start};
+use super::spec::{self, Device, Topology};
+use super::{
+    Dispatch, Outcome, RunConfig, RunError, SYNTHETIC_VOCAB, Summary, Tokens, Worker, WorkerState,
+    control, dflash_stage, gpu_count, init_nvml, workers,
+};
+use crate::planner::Planner;
+use crate::store::Store;
+
+/// The run directory's lock, held while the orchestrator lives.
+pub struct RunLock {
+    _lock: nix::fcntl::Flock<std::fs::File>,
+}
+
+/// Takes the run directory's lock: one live orchestrator per run directory. The lock file is
+/// opened without following a symlink.
+pub fn lock_run_dir(dir: &Path) -> Result<RunLock, RunError> {
+    use std::io::{Read, Seek, Write};
+    let path = run_dir::lock(dir);
+    let mut file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .custom_flags(nix::libc::O_NOFOLLOW)
+        .open(&path)
+        .map_err(|e| RunError::Invalid(format!("{}: {e}", path.display())))?;
+    let mut holder = String::new();
+    let _ = file.read_to_string(&mut holder);
+    let mut lock = nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock)
+        .map_err(|_| {
+            RunError::Invalid(format!(
+                "run dir {} holds a live run (orchestrator pid {}); stop it first or use another --run-dir",
+                dir.display(),
+                holder.trim()
+            ))
+        })?;
+    let _ = lock.set_len(0);
+    let _ = lock.rewind();
+    let _ = write!(lock, "{}", std::process::id());
+    Ok(RunLock { _lock: lock })
+}
+
+/// Removes the segments the run directory's record names (only those, and only under
+/// `/dev/shm` with this run's prefix), then the record; returns the paths removed.
+pub fn remove_recorded_segments(dir: &Path) -> Vec<PathBuf> {
+    let record = run_dir::segments_record(dir);
+    let prefix = run_dir::segment_prefix(&run_dir::run_id(dir));
+    let mut removed = Vec::new();
+    let Ok(text) = std::fs::read_to_string(&record) else {
+        return removed;
+    };
+    for line in text.lines() {
+        let path = Path::new(line.trim());
+        let ours = path.parent() == Some(Path::new(run_dir::SHM_DIR))
+            && path
+                .file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with(&prefix));
+        if ours && std::fs::remove_file(path).is_ok() {
+            removed.push(path.to_path_buf());
+        }
+    }
+    let _ = std::fs::remove_file(&record);
+    removed
+}
+
+/// Bytes free in `/dev/shm`.
+fn shm_free() -> Option<u64> {
+    let s = nix::sys::statvfs::statvfs(run_dir::SHM_DIR).ok()?;
+    Some(s.blocks_available() as u64 * s.fragment_size() as u64)
+}
+
+/// Refuses a run directory that another user could tamper with: not owned by us, or writable by
+/// group or others. `Ok(false)` when it does not exist yet.
+pub fn check_run_dir_trust(dir: &Path) -> Result<bool, RunError> {
+    let meta = match std::fs::metadata(dir) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
+        Err(e) => return Err(RunError::Invalid(format!("{}: {e}", dir.display()))),
+    };
+    if !meta.is_dir() {
+        return Err(RunError::Invalid(format!(
+            "--run-dir {} is not a directory",
+            dir.display()
+        )));
+    }
+    let me = nix::unistd::getuid().as_raw();
+    if meta.uid() != me {
+        return Err(RunError::Invalid(format!(
+            "--run-dir {} is owned by uid {}, not by you (uid {me}): another user could change what the run reads; use a directory of your own",
+            dir.display(),
+            meta.uid()
+        )));
+    }
+    let mode = meta.mode() & 0o777;
+    if mode & 0o022 != 0 {
+        return Err(RunError::Invalid(format!(
+            "--run-dir {} is writable by group or others (mode {mode:o}): another user could plant files in it; `chmod go-w {}` first",
+            dir.display(),
+            dir.display()
+        )));
+    }
+    Ok(true)
+}
+
+/// Refuses a run directory whose run is live (its orchestrator holds the lock), creating nothing.
+pub fn check_not_live(dir: &Path) -> Result<(), RunError> {
+    let path = run_dir::lock(dir);
+    let Ok(file) = OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_NOFOLLOW)
+        .open(&path)
+    else {
+        return Ok(());
+    };
+    let holder = std::fs::read_to_string(&path).unwrap_or_default();
+    match nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockSharedNonblock) {
+        Ok(_released_on_drop) => Ok(()),
+        Err(_) => Err(RunError::Invalid(format!(
+            "run dir {} holds a live run (orchestrator pid {}); stop it first or use another --run-dir",
+            dir.display(),
+            holder.trim()
+        ))),
+    }
+}
+
+/// A journal without its run line: a launch that died before its run started (not a run).
+fn stillborn_journal(path: &Path) -> bool {
+    std::fs::metadata(path).is_ok_and(|m| m.len() == 0)
+        || journal::read(path).is_ok_and(|h| h.config.is_none())
+}
+
+/// What in `dir` belongs to an earlier run (a fresh launch refuses it).
+fn earlier_run(dir: &Path) -> Vec<String> {
+    let mut found = Vec::new();
+    let journal = run_dir::journal(dir);
+    if journal.exists() && !stillborn_journal(&journal) {
+        found.push(format!("a journal ({})", run_dir::JOURNAL));
+    }
+    let checkpoints = dir.join("checkpoints");
+    if std::fs::read_dir(&checkpoints).is_ok_and(|mut d| d.next().is_some()) {
+        found.push("checkpoints (checkpoints/)".into());
+    }
+    if run_dir::segments_record(dir).exists() {
+        found.push(format!("shared-memory rings ({})", run_dir::SEGMENTS));
+    }
+    if dir.join(super::metrics::FILE).exists() {
+        found.push(format!("metrics ({})", super::metrics::FILE));
+    }
+    found
+}
+
+/// Undoes what a launch created unless `commit`ted: entries of the run directory that were not
+/// there before (or the directory itself), and shared-memory segments.
+pub(super) struct Guard {
+    dir: PathBuf,
+    dir_created: bool,
+    before: BTreeSet<std::ffi::OsString>,
+    segments: Vec<PathBuf>,
+    armed: bool,
+}
+
+impl Guard {
+    /// Creates the run directory if needed (owner-only) and remembers what it held.
+    fn new(dir: &Path, existed: bool) -> Result<Self, RunError> {
+        if !existed {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir)
+                .map_err(|e| RunError::Invalid(format!("--run-dir {}: {e}", dir.display())))?;
+        }
+        let before = std::fs::read_dir(dir)
+            .map_err(|e| RunError::Invalid(format!("--run-dir {}: {e}", dir.display())))?
+            .flatten()
+            .map(|e| e.file_name())
+            .collect();
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            dir_created: !existed,
+            before,
+            segments: Vec::new(),
+            armed: true,
+        })
+    }
+
+    fn segment(&mut self, path: &Path) {
+        self.segments.push(path.to_path_buf());
+    }
+
+    /// The launch went through: keep everything.
+    fn commit(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        for segment in &self.segments {
+            let _ = std::fs::remove_file(segment);
+        }
+        if self.dir_created {
+            let _ = std::fs::remove_dir_all(&self.dir);
+            return;
+        }
+        let Ok(entries) = std::fs::read_dir(&self.dir) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            if self.before.contains(&entry.file_name()) {
+                continue;
+            }
+            let path = entry.path();
+            let _ = match entry.file_type() {
+                Ok(t) if t.is_dir() => std::fs::remove_dir_all(&path),
+                _ => std::fs::remove_file(&path),
+            };
+        }
+    }
+}
+
+/// Sizes of the two rings.
+#[derive(Debug, Clone, Copy)]
+struct RingPlan {
+    input_slots: u32,
+    input_bytes: u64,
+    feature_slots: u32,
+    feature_bytes: u64,
+    total: u64,
+}
+
+impl RingPlan {
+    fn new(targets: u32, budget: u64, feature_width: Option<u64>) -> Result<Self, RunError> {
+        let too_big = || {
+            RunError::Invalid(format!(
+                "--token-budget {budget}: the rings' sizes overflow (at most {MAX_TOKEN_BUDGET} tokens)"
+            ))
+        };
+        if budget > MAX_TOKEN_BUDGET {
+            return Err(too_big());
+        }
+        let input_slots = 2 * targets + 1;
+        let feature_slots = 2 * targets + 2;
+        // Within MAX_TOKEN_BUDGET the input slot cannot overflow; the features' width can.
+        let input_bytes = 64 + input_data_bytes(budget);
+        let feature_bytes = match feature_width {
+            Some(width) => budget
+                .checked_mul(width)
+                .and_then(|n| n.checked_mul(4))
+                .map(|_| feature_data_bytes(budget, width)),
+            None => budget.checked_mul(4),
+        }
+        .and_then(|b| b.checked_add(64))
+        .ok_or_else(too_big)?;
+        let total = u64::from(input_slots)
+            .checked_mul(input_bytes)
+            .and_then(|i| {
+                u64::from(feature_slots)
+                    .checked_mul(feature_bytes)
+                    .and_then(|f| f.checked_add(i))
+            })
+            .and_then(|t| t.checked_add(128))
+            .ok_or_else(too_big)?;
+        Ok(Self {
+            input_slots,
+            input_bytes,
+            feature_slots,
+            feature_bytes,
+            total,
+        })
+    }
+}
+
+/// Starts (or resumes) the run in `run_dir` with `config` and drives it to its end. On resume,
+/// `config` holds the journal's options with those that may change on resume applied, and
+/// `changes` names them (journaled with the resume).
+pub fn launch(
+    config: RunConfig,
+    run_dir_path: &Path,
+    resume: bool,
+    changes: serde_json::Map<String, serde_json::Value>,
+) -> Result<(Outcome, Summary), RunError> {
+    // Checks that need nothing of the run directory.
+    let mut config = config;
+    let plan_config = config.planner.to_config().map_err(RunError::Invalid)?;
+    let gpu_spec: spec::GpuSpec = config.gpus.parse().map_err(RunError::Invalid)?;
+    if config.stage != "synthetic" && config.stage != "dflash" {
+        return Err(RunError::Invalid(format!(
+            "unknown --stage {:?} (this build has: dflash, synthetic)",
+            config.stage
+        )));
+    }
+    if (config.stage == "dflash") != config.dflash.is_some() {
+        return Err(RunError::Invalid(
+            "the DFlash settings go with --stage dflash (and it needs --target-model)".into(),
+        ));
+    }
+    let nvml = init_nvml();
+    let devices = gpu_spec
+        .devices(gpu_count(&nvml))
+        .map_err(RunError::Invalid)?;
+    let given = config
+        .topology
+        .as_deref()
+        .map(str::parse::<Topology>)
+        .transpose()
+        .map_err(RunError::Invalid)?;
+    let topology = Topology::resolve(given, devices.len() as u32).map_err(RunError::Invalid)?;
+    if config.dflash.is_some() && topology.drafters > 1 {
+        return Err(RunError::Invalid(format!(
+            "--topology {}:{}: --stage dflash trains one drafter (data-parallel drafters are not built yet); use {}:1",
+            topology.targets,
+            topology.drafters,
+            topology.targets + topology.drafters - 1
+        )));
+    }
+    let binary = workers::worker_binary();
+    if !binary.is_file() {
+        return Err(RunError::Invalid(format!(
+            "worker binary {} not found (build it, or set DFLASH_WORKER_BIN)",
+            binary.display()
+        )));
+    }
+    if nix::unistd::access(&binary, nix::unistd::AccessFlags::X_OK).is_err() {
+        return Err(RunError::Invalid(format!(
+            "worker binary {} is not executable (chmod +x it, or set DFLASH_WORKER_BIN)",
+            binary.display()
+        )));
+    }
+    control::check_socket_dir(run_dir_path).map_err(RunError::Invalid)?;
+    let existed = check_run_dir_trust(run_dir_path)?;
+    if !resume && existed {
+        let found = earlier_run(run_dir_path);
+        if !found.is_empty() {
+            return Err(RunError::Invalid(format!(
+                "{} holds an earlier run ({}): pass --resume to continue it, or use another --run-dir",
+                run_dir_path.display(),
+                found.join(", ")
+            )));
+        }
+    }
+
+    // From here on, the guard undoes what is created.
+    let mut guard = Guard::new(run_dir_path, existed)?;
+    let _lock = lock_run_dir(run_dir_path)?;
+    let journal_path = run_dir::journal(run_dir_path);
+    let (start, torn_tail) = if resume {
+        let journaled = resume::read(run_dir_path)?;
+        let fixed = journaled.config.weight_settings_differ(&config);
+        if !fixed.is_empty() {
+            return Err(RunError::Invalid(format!(
+                "--resume: the run's {} differ from its journal",
+                fixed.join(", ")
+            )));
+        }
+        (journaled.start, journaled.torn_tail)
+    } else {
+        (Start::default(), false)
+    };
+
+    let (lengths, mut tokens) = match (&config.data, config.synthetic) {
+        (Some(dir), _) => {
+            let store = Store::open(dir).map_err(|e| RunError::Invalid(e.to_string()))?;
+            (store.lengths(), Tokens::Store(Box::new(store)))
+        }
+        (None, Some(n)) if n > 0 => (
+            crate::workload::synthetic_lengths(n, config.synthetic_seed),
+            Tokens::Synthetic {
+                seed: config.synthetic_seed,
+                vocab: SYNTHETIC_VOCAB,
+            },
+        ),
+        _ => {
+            return Err(RunError::Invalid(
+                "pass --data STORE or --synthetic N".into(),
+            ));
+        }
+    };
+    let planner =
+        Planner::new(lengths, plan_config).map_err(|e| RunError::Invalid(e.to_string()))?;
+    let mut feature_width = None;
+    let mut target: Option<Qwen3Config> = None;
+    if let Some(settings) = config.dflash.as_mut() {
+        let checked = dflash_stage::check(settings, &mut tokens, &devices, &binary)?;
+        if settings.total_steps == 0 {
+            settings.total_steps =
+                dflash_stage::total_steps(&planner, config.epochs, config.planner.accum);
+        }
+        settings.token_budget = config.planner.token_budget;
+        settings.checkpoint_dir = run_dir_path
+            .canonicalize()
+            .unwrap_or_else(|_| run_dir_path.to_path_buf())
+            .join("checkpoints");
+        feature_width = Some(settings.feature_width(&checked));
+        target = Some(checked);
+    }
+    if let (Some(settings), Some(target)) = (config.dflash.as_mut(), &target) {
+        settings.fingerprint = dflash_stage::fingerprint(
+            settings,
+            target,
+            &config.data,
+            config.synthetic.map(|n| (n, config.synthetic_seed)),
+            &config.planner,
+            config.epochs,
+        )
+        .map_err(RunError::Invalid)?;
+    }
+    let rings = RingPlan::new(topology.targets, config.planner.token_budget, feature_width)?;
+    if let Some(free) = shm_free()
+        && free < rings.total
+    {
+        return Err(RunError::Invalid(format!(
+            "{} has {} MB free, the rings need {} MB (lower --token-budget, or in a container raise --shm-size)",
+            run_dir::SHM_DIR,
+            free / 1_000_000,
+            rings.total.div_ceil(1_000_000)
+        )));
+    }
+    // The Prometheus port is bound now: a busy port fails the launch before anything is written.
+    let prom = config
+        .metrics_addr
+        .as_deref()
+        .map(|a| {
+            crate::observe::prom::parse_addr(a)
+                .and_then(|addr| crate::observe::prom::Prom::serve(addr, config.dflash.is_some()))
+        })
+        .transpose()
+        .map_err(|e| RunError::Invalid(format!("--metrics-addr: {e}")))?;
+
+    // Side effects, in an order that a failure at any step undoes.
+    if !resume && stillborn_journal(&journal_path) {
+        let _ = std::fs::remove_file(&journal_path);
+    }
+    if torn_tail {
+        // The last write was cut short by a crash: drop it, so the next entry starts a line.
+        journal::drop_torn_tail(&journal_path)
+            .map_err(|e| RunError::Invalid(format!("{}: {e}", journal_path.display())))?;
+        tracing::warn!("dropped a journal line cut short by a crash");
+    }
+    for stale in remove_recorded_segments(run_dir_path) {
+        tracing::info!(path = %stale.display(), "removed a stale segment of an earlier launch");
+    }
+    let dflash_file = match &config.dflash {
+        Some(settings) => Some(dflash_stage::write_settings(run_dir_path, settings)?),
+        None => None,
+    };
+    let run_id = run_dir::run_id(run_dir_path);
+    let nonce = {
+        use std::hash::{BuildHasher, Hasher};
+        // Randomly keyed per process: names nobody can guess ahead of the launch.
+        std::collections::hash_map::RandomState::new()
+            .build_hasher()
+            .finish()
+    };
+    let shm_error = |e: dflash_common::ring::RingError| {
+        RunError::Invalid(format!(
+            "cannot create the rings ({} MB in {}): {e}",
+            rings.total.div_ceil(1_000_000),
+            run_dir::SHM_DIR
+        ))
+    };
+    let input_path = run_dir::segment(&run_id, nonce, "input");
+    let feature_path = run_dir::segment(&run_id, nonce, "feature");
+    guard.segment(&input_path);
+    guard.segment(&feature_path);
+    crate::fsutil::write_atomically(&run_dir::segments_record(run_dir_path), |out| {
+        use std::io::Write;
+        writeln!(out, "{}", input_path.display())?;
+        writeln!(out, "{}", feature_path.display())
+    })
+    .map_err(|e| RunError::Invalid(format!("{}: {e}", run_dir::SEGMENTS)))?;
+    let input =
+        Ring::create(&input_path, rings.input_slots, rings.input_bytes).map_err(shm_error)?;
+    let features =
+        Ring::create(&feature_path, rings.feature_slots, rings.feature_bytes).map_err(shm_error)?;
+    let log_dir = workers::log_dir(run_dir_path);
+    std::fs::create_dir_all(&log_dir)
+        .map_err(|e| RunError::Invalid(format!("{}: {e}", log_dir.display())))?;
+    let metrics = super::metrics::Metrics::open(run_dir_path, prom)
+        .map_err(|e| RunError::Invalid(format!("metrics: {e}")))?;
+    let (to_loop, inbox) = mpsc::channel();
+    let listener = control::bind(run_dir_path)
+        .map_err(|e| RunError::Invalid(format!("control socket: {e}")))?;
+    let mut journal = JournalWriter::open(&journal_path)
+        .map_err(|e| RunError::Invalid(format!("{}: {e}", journal_path.display())))?;
+    let jerr = |e: std::io::Error| RunError::Invalid(format!("journal: {e}"));
+    // The journal line is the launch's last step: the run exists once it is written.
+    if resume {
+        journal
+            .append(&Entry::Resume {
+                committed: start.step_base + start.batch as u64,
+                changes,
+            })
+            .map_err(jerr)?;
+    } else {
+        let value = serde_json::to_value(&config).map_err(|e| RunError::Invalid(e.to_string()))?;
+        journal
+            .append(&Entry::Run {
+                version: journal::VERSION,
+                config: value,
+            })
+            .map_err(jerr)?;
+    }
+    guard.commit();
+    control::serve(listener, to_loop.clone());
+
+    let gpu_ids: Vec<u32> = devices
+        .iter()
+        .filter_map(|d| match d {
+            Device::Gpu(g) => Some(*g),
+            Device::Cpu(_) => None,
+        })
+        .collect();
+    let source: Result<Box<dyn crate::observe::gpu::GpuSource>, String> = match &nvml {
+        Ok(n) if !gpu_ids.is_empty() => {
+            Ok(Box::new(crate::observe::gpu::NvmlSource::new(n, &gpu_ids)))
+        }
+        Ok(_) => Err("CPU workers: no GPU telemetry".into()),
+        Err(why) => Err(why.clone()),
+    };
+    if let Err(why) = &source {
+        tracing::info!("no GPU telemetry ({why}): the monitor reports the workers' CPU and memory");
+    }
+    let monitor = crate::observe::monitor::Monitor::new(
+        source,
+        Duration::from_secs_f64(config.monitor_interval_s.max(0.01)),
+    );
+    let workers_list = worker_list(&devices, topology, &nvml);
+    let launch = workers::Launch {
+        binary,
+        input_ring: input.path().to_path_buf(),
+        feature_ring: features.path().to_path_buf(),
+        stage: config.stage.clone(),
+        synthetic_us_per_token: config.synthetic_us_per_token,
+        heartbeat_ms: config.heartbeat_ms,
+        log_dir,
+        dflash_config: dflash_file,
+    };
+    let plan = planner.plan_epoch(u64::from(start.epoch));
+    let planned = plan.batches.len();
+    let mut dispatch = Dispatch::new(
+        rings.input_slots as usize,
+        rings.feature_slots as usize,
+        workers_list.len(),
+    );
+    dispatch.enter(planned, start.batch);
+    let mut run = super::Run {
+        run_dir: run_dir_path.to_path_buf(),
+        run_id,
+        journal,
+        tokens,
+        epoch: start.epoch,
+        step_base: start.step_base,
+        checksums: vec![0; planned],
+        dispatch,
+        epoch_sizes: start.epoch_sizes,
+        rewind_to: None,
+        drafter_resumed: false,
+        final_checkpoint_lost: None,
+        metrics,
+        session_start: start.step_base + start.batch as u64,
+        last_progress: Instant::now(),
+        committed_total: start.step_base + start.batch as u64,
+        tokens_committed: 0,
+        input,
+        features,
+        plan,
+        planner,
+        workers: workers_list,
+        launch,
+        to_loop,
+        started: Instant::now(),
+        stopping: None,
+        scratch: Vec::new(),
+        monitor,
+        timing: vec![(0.0, None, 0.0); planned],
+        window: VecDeque::new(),
+        session_tokens: (0, 0),
+        bucket_batches: Vec::new(),
+        job_times: Default::default(),
+        config,
+    };
+    let new_epoch = start.batch == 0 && start.epoch < run.config.epochs;
+    let result = run.drive(&inbox, new_epoch);
+    run.shutdown();
+    let summary = Summary {
+        steps: run.committed_total,
+        tokens: run.tokens_committed,
+        seconds: run.started.elapsed().as_secs_f64(),
+        restarts: run.workers.iter().map(|w| w.restarts).sum(),
+    };
+    let result = result.map(|outcome| (outcome, summary));
+    let _ = std::fs::remove_file(run_dir::control_socket(&run.run_dir));
+    remove_recorded_segments(&run.run_dir);
+    result
+}
+
+/// The workers of the run, pinned: NUMA-local CPUs for GPU workers where NVML reports them,
+/// shared among the GPUs of a node; otherwise an equal share of all available CPUs.
+fn worker_list(
+    devices: &[Device],
+    topology: Topology,
+    nvml: &Result<&'static nvml_wrapper::Nvml, String>,
+) -> Vec<Worker> {
+    let available = workers::available_cpus();
+    let count = devices.len();
+    let gpu_cpus = |device: Device| -> Option<Vec<usize>> {
+        let Device::Gpu(index) = device else {
+            return None;
+        };
+        let nvml = nvml.as_ref().ok()?;
+        let mask = nvml
+            .device_by_index(index)
+            .ok()?
+            .cpu_affinity(available.iter().max().map_or(1, |m| m / 64 + 1))
+            .ok()?;
+        let local: Vec<usize> = available
+            .iter()
+            .copied()
+            .filter(|&c| mask.get(c / 64).is_some_and(|w| w >> (c % 64) & 1 == 1))
+            .collect();
+        (!local.is_empty()).then_some(local)
+    };
+    let pools: Vec<Vec<usize>> = devices
+        .iter()
+        .map(|&d| gpu_cpus(d).unwrap_or_else(|| available.clone()))
+        .collect();
+    devices
+        .iter()
+        .enumerate()
+        .map(|(i, &device)| {
+            let peers: Vec<usize> = (0..count).filter(|&j| pools[j] == pools[i]).collect();
+            let rank = peers.iter().position(|&j| j == i).unwrap_or(0);
+            Worker {
+                id: i as u32,
+                role: if (i as u32) < topology.targets {
+                    Role::Target
+                } else {
+                    Role::Drafter
+                },
+                device,
+                cpus: workers::cpus_for(rank, peers.len(), &pools[i]),
+                incarnation: 0,
+                process: None,
+                jobs: None,
+                state: WorkerState::Restarting,
+                last_seen: Instant::now(),
+                started: Instant::now(),
+                batches_done: 0,
+                restarts: 0,
+                crashes: VecDeque::new(),
+                last_exit: None,
+                restart_at: Some(Instant::now()),
+                restart_when_idle: false,
+                exit_requested: false,
+                ready_since: Instant::now(),
+                hung: None,
+                job: None,
+            }
+        })
+        .collect()
+}
