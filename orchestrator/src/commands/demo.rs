@@ -4,7 +4,7 @@
 //! accuracy and acceptance length moved. Every step is the real subcommand, run as a child process,
 //! and printed so it can be run by hand.
 
-use std::io::Write;
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -17,15 +17,17 @@ use crate::runtime::metrics;
 
 #[derive(Debug, Clone, Args)]
 pub struct DemoArgs {
-    /// Where the demo writes everything (target/, conversations.jsonl, store/, run/).
+    /// Where the demo writes everything (target/, conversations.jsonl, store/, run/). It may be
+    /// absent, empty, or an earlier demo's (see --force); the demo marks it with a .dflash-demo
+    /// file.
     #[arg(long, value_name = "DIR", default_value = "dflash-demo")]
     pub run_dir: PathBuf,
 
-    /// Conversations to generate.
+    /// Conversations to generate (at least 50).
     #[arg(long, value_name = "N", default_value_t = 2000)]
     pub samples: usize,
 
-    /// Epochs to train.
+    /// Epochs to train (at least 1).
     #[arg(long, value_name = "N", default_value_t = 6)]
     pub epochs: u32,
 
@@ -33,13 +35,140 @@ pub struct DemoArgs {
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
 
-    /// Replace DIR if it exists.
+    /// Replace DIR if an earlier demo made it (it holds .dflash-demo). Any other non-empty DIR is
+    /// refused, with or without --force, and nothing is deleted. Every argument is checked before
+    /// DIR is touched.
     #[arg(long)]
     pub force: bool,
 
     /// Print the final figures as one JSON object on stdout.
     #[arg(long)]
     pub json: bool,
+}
+
+/// The file the demo writes into the run dir it uses. `--force` removes only a directory holding
+/// it, so a mistyped `--run-dir` can never delete anyone's files.
+pub const MARKER: &str = ".dflash-demo";
+
+/// How the marker begins; a file of that name saying anything else is someone else's.
+const MARKER_LINE: &str = "made by dflash-orch demo";
+
+/// What is at `--run-dir` before the demo starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RunDirFound {
+    Nothing,
+    NotADirectory,
+    EmptyDirectory,
+    /// A directory holding the marker: an earlier demo's.
+    DemoDirectory,
+    /// A directory holding other things and no marker.
+    OtherDirectory,
+}
+
+/// What the demo does with `--run-dir` before writing into it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RunDirAction {
+    Create,
+    UseEmpty,
+    /// Remove an earlier demo's directory and create it afresh.
+    Replace,
+}
+
+/// Looks at `--run-dir` without changing anything.
+fn observe_run_dir(dir: &Path) -> Result<RunDirFound, CliError> {
+    let inspect = |e| CliError::io(format!("cannot inspect {}", dir.display()), e);
+    let meta = match std::fs::metadata(dir) {
+        Ok(meta) => meta,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(RunDirFound::Nothing),
+        Err(e) => return Err(inspect(e)),
+    };
+    if !meta.is_dir() {
+        return Ok(RunDirFound::NotADirectory);
+    }
+    if std::fs::read_dir(dir).map_err(inspect)?.next().is_none() {
+        return Ok(RunDirFound::EmptyDirectory);
+    }
+    Ok(if holds_marker(dir) {
+        RunDirFound::DemoDirectory
+    } else {
+        RunDirFound::OtherDirectory
+    })
+}
+
+/// Whether `dir` holds a marker written by the demo: a plain file (not a link) that begins with
+/// [`MARKER_LINE`].
+fn holds_marker(dir: &Path) -> bool {
+    let path = dir.join(MARKER);
+    if !std::fs::symlink_metadata(&path).is_ok_and(|m| m.is_file()) {
+        return false;
+    }
+    let mut head = Vec::new();
+    std::fs::File::open(&path)
+        .and_then(|f| f.take(MARKER_LINE.len() as u64).read_to_end(&mut head))
+        .is_ok_and(|_| head == MARKER_LINE.as_bytes())
+}
+
+/// Decides, from what is at `dir`, whether the demo may use it; the refusal says why.
+fn run_dir_action(dir: &Path, found: RunDirFound, force: bool) -> Result<RunDirAction, String> {
+    let dir = dir.display();
+    match (found, force) {
+        (RunDirFound::Nothing, _) => Ok(RunDirAction::Create),
+        (RunDirFound::EmptyDirectory, _) => Ok(RunDirAction::UseEmpty),
+        (RunDirFound::DemoDirectory, true) => Ok(RunDirAction::Replace),
+        (RunDirFound::DemoDirectory, false) => Err(format!(
+            "{dir} holds an earlier demo (pass --force to replace it, or choose another --run-dir)"
+        )),
+        (RunDirFound::NotADirectory, _) => Err(format!(
+            "{dir} exists and is not a directory; choose another --run-dir"
+        )),
+        (RunDirFound::OtherDirectory, false) => Err(format!(
+            "{dir} is not empty and was not made by the demo (it has no {MARKER} file); \
+             choose another --run-dir"
+        )),
+        (RunDirFound::OtherDirectory, true) => Err(format!(
+            "refusing to replace {dir}: it is not empty and was not made by the demo (it has no \
+             {MARKER} file), and --force replaces only a demo's directory; nothing was deleted: \
+             choose another --run-dir"
+        )),
+    }
+}
+
+/// Refuses arguments the demo cannot run with, before anything on disk is touched.
+fn check_args(args: &DemoArgs) -> Result<(), CliError> {
+    if args.samples < 50 || args.epochs == 0 {
+        return Err(CliError::Invalid(
+            "--samples must be at least 50 and --epochs at least 1".into(),
+        ));
+    }
+    // Every step gets its paths as UTF-8 arguments; a path that is not would reach them mangled.
+    if args.run_dir.to_str().is_none() {
+        return Err(CliError::Invalid(format!(
+            "--run-dir {} is not valid UTF-8; choose another --run-dir",
+            args.run_dir.display()
+        )));
+    }
+    Ok(())
+}
+
+/// What the demo writes into [`MARKER`]: what made the directory, and that `--force` may replace it.
+pub fn marker_text() -> String {
+    format!(
+        "{MARKER_LINE} {}; `dflash-orch demo --force` may replace this directory\n",
+        env!("CARGO_PKG_VERSION")
+    )
+}
+
+/// Makes `dir` ready for the demo as `action` says and marks it as the demo's.
+fn set_up_run_dir(dir: &Path, action: RunDirAction) -> Result<(), CliError> {
+    if action == RunDirAction::Replace {
+        std::fs::remove_dir_all(dir)
+            .map_err(|e| CliError::io(format!("cannot remove {}", dir.display()), e))?;
+    }
+    std::fs::create_dir_all(dir)
+        .map_err(|e| CliError::io(format!("cannot create {}", dir.display()), e))?;
+    let marker = dir.join(MARKER);
+    std::fs::write(&marker, marker_text())
+        .map_err(|e| CliError::io(format!("cannot write {}", marker.display()), e))
 }
 
 const WORDS: [&str; 24] = [
@@ -175,24 +304,11 @@ fn path_arg(p: &Path) -> String {
 }
 
 pub fn run(args: DemoArgs) -> Result<(), CliError> {
+    check_args(&args)?;
     let dir = &args.run_dir;
-    if dir.exists() {
-        if !args.force {
-            return Err(CliError::Invalid(format!(
-                "{} already exists (pass --force to replace it, or choose another --run-dir)",
-                dir.display()
-            )));
-        }
-        std::fs::remove_dir_all(dir)
-            .map_err(|e| CliError::io(format!("cannot remove {}", dir.display()), e))?;
-    }
-    if args.samples < 50 || args.epochs == 0 {
-        return Err(CliError::Invalid(
-            "--samples must be at least 50 and --epochs at least 1".into(),
-        ));
-    }
-    std::fs::create_dir_all(dir)
-        .map_err(|e| CliError::io(format!("cannot create {}", dir.display()), e))?;
+    let action =
+        run_dir_action(dir, observe_run_dir(dir)?, args.force).map_err(CliError::Invalid)?;
+    set_up_run_dir(dir, action)?;
     let dir = dir
         .canonicalize()
         .map_err(|e| CliError::io(format!("cannot resolve {}", dir.display()), e))?;
@@ -385,5 +501,60 @@ mod tests {
                 assert!(a.starts_with(&format!("{from}, {}", from + 1)), "{q} {a}");
             }
         }
+    }
+
+    #[test]
+    fn force_replaces_only_a_demo_directory() {
+        use RunDirAction::{Create, Replace, UseEmpty};
+        use RunDirFound::*;
+        let dir = Path::new("precious");
+        for force in [false, true] {
+            assert_eq!(run_dir_action(dir, Nothing, force), Ok(Create));
+            assert_eq!(run_dir_action(dir, EmptyDirectory, force), Ok(UseEmpty));
+            for found in [NotADirectory, OtherDirectory] {
+                let refusal = run_dir_action(dir, found, force).unwrap_err();
+                assert!(refusal.contains("precious"), "{refusal}");
+            }
+        }
+        assert_eq!(run_dir_action(dir, DemoDirectory, true), Ok(Replace));
+        let refusal = run_dir_action(dir, DemoDirectory, false).unwrap_err();
+        assert!(refusal.contains("--force"), "{refusal}");
+        let refusal = run_dir_action(dir, OtherDirectory, true).unwrap_err();
+        assert!(
+            refusal.contains(MARKER) && refusal.contains("nothing was deleted"),
+            "{refusal}"
+        );
+    }
+
+    #[test]
+    fn the_marker_the_demo_writes_is_the_one_it_recognises() {
+        let root = std::env::temp_dir().join(format!("dflash-demo-marker-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let dir = root.join("run");
+        assert_eq!(observe_run_dir(&dir).unwrap(), RunDirFound::Nothing);
+        set_up_run_dir(&dir, RunDirAction::Create).unwrap();
+        assert_eq!(observe_run_dir(&dir).unwrap(), RunDirFound::DemoDirectory);
+        std::fs::write(dir.join("model.bin"), b"weights").unwrap();
+        set_up_run_dir(&dir, RunDirAction::Replace).unwrap();
+        assert!(!dir.join("model.bin").exists());
+        assert_eq!(observe_run_dir(&dir).unwrap(), RunDirFound::DemoDirectory);
+
+        // A file of the marker's name that the demo did not write does not count.
+        let other = root.join("other");
+        std::fs::create_dir_all(&other).unwrap();
+        assert_eq!(
+            observe_run_dir(&other).unwrap(),
+            RunDirFound::EmptyDirectory
+        );
+        std::fs::write(other.join(MARKER), b"user settings\n").unwrap();
+        assert_eq!(
+            observe_run_dir(&other).unwrap(),
+            RunDirFound::OtherDirectory
+        );
+        assert_eq!(
+            observe_run_dir(&other.join(MARKER)).unwrap(),
+            RunDirFound::NotADirectory
+        );
+        std::fs::remove_dir_all(&root).unwrap();
     }
 }
