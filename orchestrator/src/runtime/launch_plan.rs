@@ -292,17 +292,20 @@ impl RingPlan {
     }
 }
 
-/// Starts (or resumes) the run in `run_dir` with `config` and drives it to its end. On resume,
-/// `config` holds the journal's options with those that may change on resume applied, and
-/// `changes` names them (journaled with the resume).
-pub fn launch(
-    config: RunConfig,
-    run_dir_path: &Path,
-    resume: bool,
-    changes: serde_json::Map<String, serde_json::Value>,
-) -> Result<(Outcome, Summary), RunError> {
+/// The options of a run, checked without touching anything: planner, workers, stage, topology.
+pub struct CheckedOptions {
+    pub plan: crate::planner::PlanConfig,
+    pub devices: Vec<Device>,
+    pub topology: Topology,
+}
+
+/// Checks a run's options alone (no files, no processes); `gpus` is how many GPUs the machine has
+/// (or why none).
+pub fn check_options(
+    config: &RunConfig,
+    gpus: Result<u32, String>,
+) -> Result<CheckedOptions, RunError> {
     // Checks that need nothing of the run directory.
-    let mut config = config;
     let plan_config = config.planner.to_config().map_err(RunError::Invalid)?;
     let gpu_spec: spec::GpuSpec = config.gpus.parse().map_err(RunError::Invalid)?;
     if config.stage != "synthetic" && config.stage != "dflash" {
@@ -316,10 +319,7 @@ pub fn launch(
             "the DFlash settings go with --stage dflash (and it needs --target-model)".into(),
         ));
     }
-    let nvml = init_nvml();
-    let devices = gpu_spec
-        .devices(gpu_count(&nvml))
-        .map_err(RunError::Invalid)?;
+    let devices = gpu_spec.devices(gpus).map_err(RunError::Invalid)?;
     let given = config
         .topology
         .as_deref()
@@ -335,6 +335,26 @@ pub fn launch(
             topology.targets + topology.drafters - 1
         )));
     }
+    Ok(CheckedOptions {
+        plan: plan_config,
+        devices,
+        topology,
+    })
+}
+
+/// Starts (or resumes) the run in `run_dir` with `config` and drives it to its end. On resume,
+/// `config` holds the journal's options with those that may change on resume applied, and
+/// `changes` names them (journaled with the resume).
+pub fn launch(
+    config: RunConfig,
+    run_dir_path: &Path,
+    resume: bool,
+    changes: serde_json::Map<String, serde_json::Value>,
+) -> Result<(Outcome, Summary), RunError> {
+    let mut config = config;
+    let nvml = init_nvml();
+    let options = check_options(&config, gpu_count(&nvml))?;
+    let (plan_config, devices, topology) = (options.plan, options.devices, options.topology);
     let binary = workers::worker_binary();
     if !binary.is_file() {
         return Err(RunError::Invalid(format!(
