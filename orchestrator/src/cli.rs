@@ -12,7 +12,7 @@ Exit codes:
   0  success
   1  the command failed while working (I/O error, ...)
   2  invalid arguments or input (the message names the option, file and line)
-  130  interrupted (SIGINT or SIGTERM); nothing half-written is left
+  130  interrupted (SIGINT, SIGTERM, or SIGHUP for launch); nothing half-written is left
 
 Logging goes to stderr: -v for more detail, or RUST_LOG (e.g. RUST_LOG=dflash_orch=debug).";
 
@@ -134,12 +134,16 @@ pub fn watch_stop_signals() -> std::sync::Arc<std::sync::atomic::AtomicBool> {
     flag
 }
 
-/// Counts SIGINT and SIGTERM for a run, which stops cleanly at the first and at once at the second
+/// Counts SIGINT, SIGTERM and SIGHUP (a closed terminal) for a run, which stops cleanly at the first and at once at the second
 /// (the run still removes its workers and shared memory); a third ends the process where it is.
 pub fn count_stop_signals() -> std::sync::Arc<std::sync::atomic::AtomicUsize> {
     use std::sync::atomic::{AtomicUsize, Ordering};
     let count = std::sync::Arc::new(AtomicUsize::new(0));
-    let signals = [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM];
+    let signals = [
+        signal_hook::consts::SIGINT,
+        signal_hook::consts::SIGTERM,
+        signal_hook::consts::SIGHUP,
+    ];
     if let Ok(mut incoming) = signal_hook::iterator::Signals::new(signals) {
         let seen = std::sync::Arc::clone(&count);
         let _ = std::thread::Builder::new()

@@ -52,28 +52,31 @@ const HOT_OR_CAPPED: [&str; 5] = [
 /// NVML through nvml-wrapper.
 pub struct NvmlSource {
     nvml: &'static nvml_wrapper::Nvml,
-    events: Option<nvml_wrapper::EventSet<'static>>,
+    /// One XID event set per GPU: a GPU whose registration fails (NVML releases the set it was
+    /// given) leaves the others' monitoring in place.
+    events: Vec<nvml_wrapper::EventSet<'static>>,
 }
 
 impl NvmlSource {
-    /// Reads `gpus` through `nvml`, registering them for XID events where the driver allows.
+    /// Reads `gpus` through `nvml`, registering each for XID events where the driver allows.
     pub fn new(nvml: &'static nvml_wrapper::Nvml, gpus: &[u32]) -> Self {
-        let mut events = nvml.create_event_set().ok();
+        let mut events = Vec::new();
         for &gpu in gpus {
-            let Some(set) = events.take() else { break };
-            let Ok(device) = nvml.device_by_index(gpu) else {
-                events = Some(set);
-                continue;
-            };
-            match device.register_events(
-                nvml_wrapper::bitmasks::event::EventTypes::CRITICAL_XID_ERROR,
-                set,
-            ) {
-                Ok(set) => events = Some(set),
-                Err(e) => {
-                    tracing::warn!(gpu, "XID events are not available: {e}");
-                    events = nvml.create_event_set().ok();
-                }
+            let registered = nvml
+                .create_event_set()
+                .map_err(|e| e.to_string())
+                .and_then(|set| {
+                    let device = nvml.device_by_index(gpu).map_err(|e| e.to_string())?;
+                    device
+                        .register_events(
+                            nvml_wrapper::bitmasks::event::EventTypes::CRITICAL_XID_ERROR,
+                            set,
+                        )
+                        .map_err(|e| e.error.to_string())
+                });
+            match registered {
+                Ok(set) => events.push(set),
+                Err(e) => tracing::warn!(gpu, "XID events are not available for this GPU: {e}"),
             }
         }
         Self { nvml, events }
@@ -137,20 +140,19 @@ impl GpuSource for NvmlSource {
 
     fn xid_events(&mut self) -> Vec<XidEvent> {
         let mut out = Vec::new();
-        let Some(set) = &self.events else {
-            return out;
-        };
-        // A zero timeout returns at once when nothing is pending.
-        while let Ok(event) = set.wait(0) {
-            out.push(XidEvent {
-                gpu: event.device.index().unwrap_or(u32::MAX),
-                xid: match event.event_data {
-                    Some(nvml_wrapper::enums::event::XidError::Value(v)) => Some(v),
-                    _ => None,
-                },
-            });
-            if out.len() >= 64 {
-                break;
+        for set in &self.events {
+            // A zero timeout returns at once when nothing is pending.
+            while let Ok(event) = set.wait(0) {
+                out.push(XidEvent {
+                    gpu: event.device.index().unwrap_or(u32::MAX),
+                    xid: match event.event_data {
+                        Some(nvml_wrapper::enums::event::XidError::Value(v)) => Some(v),
+                        _ => None,
+                    },
+                });
+                if out.len() >= 64 {
+                    return out;
+                }
             }
         }
         out

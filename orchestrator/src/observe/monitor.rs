@@ -155,6 +155,89 @@ impl Monitor {
     }
 }
 
+/// The monitor on a thread of its own: NVML calls (which a wedged GPU or driver can stall) never
+/// block the dispatcher's loop. The loop asks for a reading when one is due and picks it up when
+/// it is ready; the latest readings stay here for `status`.
+pub struct Background {
+    requests: std::sync::mpsc::Sender<Request>,
+    readings: std::sync::mpsc::Receiver<Reading>,
+    in_flight: bool,
+    interval: Duration,
+    next: Instant,
+    /// Why there is no GPU telemetry.
+    pub unavailable: Option<String>,
+    /// The latest reading of each GPU.
+    pub gpus: BTreeMap<u32, GpuSample>,
+    /// The latest sample of each worker.
+    pub processes: BTreeMap<u32, ProcessSample>,
+}
+
+struct Request {
+    gpus: Vec<(u32, GpuOwner)>,
+    workers: Vec<(u32, &'static str, u32)>,
+}
+
+struct Reading {
+    tick: Tick,
+    gpus: BTreeMap<u32, GpuSample>,
+    processes: BTreeMap<u32, ProcessSample>,
+}
+
+impl Background {
+    pub fn spawn(mut monitor: Monitor) -> Self {
+        let (requests, incoming) = std::sync::mpsc::channel::<Request>();
+        let (done, readings) = std::sync::mpsc::channel();
+        let unavailable = monitor.unavailable.clone();
+        let interval = monitor.interval;
+        let _ = std::thread::Builder::new()
+            .name("monitor".into())
+            .spawn(move || {
+                for request in incoming {
+                    let tick = monitor.tick(&request.gpus, &request.workers);
+                    let reading = Reading {
+                        tick,
+                        gpus: monitor.gpus.clone(),
+                        processes: monitor.processes.clone(),
+                    };
+                    if done.send(reading).is_err() {
+                        return;
+                    }
+                }
+            });
+        Self {
+            requests,
+            readings,
+            in_flight: false,
+            interval,
+            next: Instant::now(),
+            unavailable,
+            gpus: BTreeMap::new(),
+            processes: BTreeMap::new(),
+        }
+    }
+
+    /// A reading is due and none is under way.
+    pub fn due(&self) -> bool {
+        !self.in_flight && Instant::now() >= self.next
+    }
+
+    /// Asks for a reading of `gpus` (index and the worker it serves) and the worker processes
+    /// `workers` (worker id, role, pid).
+    pub fn request(&mut self, gpus: Vec<(u32, GpuOwner)>, workers: Vec<(u32, &'static str, u32)>) {
+        self.next = Instant::now() + self.interval;
+        self.in_flight = self.requests.send(Request { gpus, workers }).is_ok();
+    }
+
+    /// The reading asked for, once it is there (never blocks).
+    pub fn poll(&mut self) -> Option<Tick> {
+        let reading = self.readings.try_recv().ok()?;
+        self.in_flight = false;
+        self.gpus = reading.gpus;
+        self.processes = reading.processes;
+        Some(reading.tick)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::gpu::FakeSource;

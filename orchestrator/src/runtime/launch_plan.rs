@@ -562,10 +562,11 @@ pub fn launch(
     if let Err(why) = &source {
         tracing::info!("no GPU telemetry ({why}): the monitor reports the workers' CPU and memory");
     }
-    let monitor = crate::observe::monitor::Monitor::new(
-        source,
-        Duration::from_secs_f64(config.monitor_interval_s.max(0.01)),
-    );
+    let monitor =
+        crate::observe::monitor::Background::spawn(crate::observe::monitor::Monitor::new(
+            source,
+            Duration::from_secs_f64(config.monitor_interval_s.max(0.01)),
+        ));
     let workers_list = worker_list(&devices, topology, &nvml);
     let launch = workers::Launch {
         binary,

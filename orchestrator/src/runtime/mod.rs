@@ -325,7 +325,7 @@ struct Run {
     started: Instant,
     stopping: Option<Outcome>,
     scratch: Vec<u32>,
-    monitor: crate::observe::monitor::Monitor,
+    monitor: crate::observe::monitor::Background,
     /// Per batch of the epoch: the drafter's wait before it, when its job was sent, its compute.
     timing: Vec<(f64, Option<Instant>, f64)>,
     /// Commits of the last 10 s: (time, real tokens, padded tokens).
@@ -398,7 +398,10 @@ impl Run {
             }
             self.supervise()?;
             if self.monitor.due() {
-                self.monitor_tick();
+                self.monitor_request();
+            }
+            if let Some(tick) = self.monitor.poll() {
+                self.monitor_tick(tick);
             }
             if let Some(outcome) = self.stopping {
                 let grace = Duration::from_secs_f64(self.config.stop_grace_s);
@@ -764,8 +767,8 @@ impl Run {
         }
     }
 
-    /// Reads the GPUs and the worker processes; writes the readings and any warning.
-    fn monitor_tick(&mut self) {
+    /// Asks the monitor thread for a reading of the run's GPUs and worker processes.
+    fn monitor_request(&mut self) {
         use crate::observe::gpu::GpuOwner;
         let gpus: Vec<(u32, GpuOwner)> = self
             .workers
@@ -786,7 +789,11 @@ impl Run {
             .iter()
             .filter_map(|w| Some((w.id, w.role.name(), w.process.as_ref()?.pid)))
             .collect();
-        let tick = self.monitor.tick(&gpus, &processes);
+        self.monitor.request(gpus, processes);
+    }
+
+    /// Writes a reading of the monitor and any warning it calls for.
+    fn monitor_tick(&mut self, tick: crate::observe::monitor::Tick) {
         for warning in &tick.warnings {
             tracing::warn!("{warning}");
             let _ = self.metrics.event("warning", None, warning);

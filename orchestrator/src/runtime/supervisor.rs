@@ -123,11 +123,13 @@ impl Run {
                 };
                 w.jobs = None;
                 w.last_exit = Some(reason.clone());
-                let _ = self.journal.append(&Entry::WorkerExit {
-                    worker: w.id,
-                    pid: process.pid,
-                    reason: reason.clone(),
-                });
+                self.journal
+                    .append(&Entry::WorkerExit {
+                        worker: w.id,
+                        pid: process.pid,
+                        reason: reason.clone(),
+                    })
+                    .map_err(|e| RunError::Failed(format!("journal: {e}")))?;
                 self.reclaim(i);
                 let w = &self.workers[i];
                 let _ = self
@@ -197,11 +199,13 @@ impl Run {
                     &self.to_loop,
                 )
                 .map_err(|e| RunError::Failed(format!("cannot start worker {}: {e}", w.id)))?;
-                let _ = self.journal.append(&Entry::WorkerStart {
-                    worker: w.id,
-                    role: w.role.name().into(),
-                    pid: process.pid,
-                });
+                self.journal
+                    .append(&Entry::WorkerStart {
+                        worker: w.id,
+                        role: w.role.name().into(),
+                        pid: process.pid,
+                    })
+                    .map_err(|e| RunError::Failed(format!("journal: {e}")))?;
                 let _ = self.metrics.event(
                     "worker_start",
                     Some((w.id, w.role.name())),
