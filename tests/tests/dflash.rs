@@ -561,3 +561,143 @@ fn a_full_disk_while_checkpointing_keeps_the_previous_checkpoint() {
         serde_json::from_slice(&fs::read(whole.join("state.json")).unwrap()).unwrap();
     assert!(state["step"].as_u64().unwrap() >= 4);
 }
+
+/// A GPU that died does not hold the run hostage: a run on three workers (two targets), killed
+/// between checkpoints, resumed on two (one target), ends with the undisturbed run's weights.
+#[test]
+fn a_resume_on_fewer_targets_ends_with_identical_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = tiny_target(dir.path());
+    let want = reference(&target);
+    let run_dir = dir.path().join("run");
+    let mut child = launch(&run_dir, &target).spawn().unwrap();
+    wait_between_checkpoints(&run_dir);
+    kill_and_wait(&mut child);
+    let out = Command::new(bin("dflash-orch"))
+        .args(["launch", "--resume", "--gpus", "cpu:2", "--run-dir"])
+        .arg(&run_dir)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let resumed = journal_events(&run_dir, "resume");
+    assert_eq!(resumed[0]["changes"]["gpus"], "cpu:2", "{resumed:?}");
+    // One target and the drafter this time.
+    let starts = journal_events(&run_dir, "worker_start");
+    assert!(
+        starts
+            .iter()
+            .any(|s| s["role"] == "target" && s["worker"] == 1)
+    );
+    assert_eq!(effective_commits(&run_dir), want.commits);
+    assert!(
+        final_weights(&run_dir) == want.weights,
+        "final model.safetensors differs from the undisturbed run's"
+    );
+    assert_clean(&run_dir);
+}
+
+/// A checkpoint of another run (same drafter shape, other seed and learning rate) is refused by
+/// the drafter, naming what differs, instead of being trained on as if it were this run's.
+#[test]
+fn a_checkpoint_of_another_run_is_refused_naming_what_differs() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = tiny_target(dir.path());
+    let run_dir = dir.path().join("run");
+    let mut child = launch(&run_dir, &target).spawn().unwrap();
+    wait_between_checkpoints(&run_dir);
+    kill_and_wait(&mut child);
+    // The same directory, as if its journal had been written by a run with other settings.
+    let journal = run_dir.join("journal.jsonl");
+    let text = fs::read_to_string(&journal).unwrap();
+    let mut lines: Vec<String> = text.lines().map(str::to_owned).collect();
+    let mut run: Value = serde_json::from_str(&lines[0]).unwrap();
+    run["config"]["planner"]["seed"] = 7.into();
+    run["config"]["dflash"]["seed"] = 7.into();
+    run["config"]["dflash"]["lr"] = 1e-3.into();
+    lines[0] = run.to_string();
+    fs::write(&journal, lines.join("\n") + "\n").unwrap();
+    let weights_before = final_weights(&run_dir);
+    let out = Command::new(bin("dflash-orch"))
+        .args(["launch", "--resume", "--run-dir"])
+        .arg(&run_dir)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("belongs to another run"), "{stderr}");
+    assert!(
+        stderr.contains("optimiser, planner, seed"),
+        "names exactly the fields that differ: {stderr}"
+    );
+    assert!(
+        final_weights(&run_dir) == weights_before,
+        "the checkpoint is untouched"
+    );
+    assert_clean(&run_dir);
+}
+
+/// A fresh launch into a directory holding an earlier run's checkpoints (its journal gone) is
+/// refused, and creates nothing there.
+#[test]
+fn a_fresh_launch_never_adopts_an_earlier_runs_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = tiny_target(dir.path());
+    let run_dir = dir.path().join("run");
+    let mut child = launch(&run_dir, &target).spawn().unwrap();
+    wait_between_checkpoints(&run_dir);
+    kill_and_wait(&mut child);
+    for name in ["journal.jsonl", "metrics.jsonl", "segments"] {
+        let _ = fs::remove_file(run_dir.join(name));
+    }
+    let before: Vec<_> = fs::read_dir(&run_dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    let out = launch(&run_dir, &target).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("holds an earlier run (checkpoints"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("--resume"), "{stderr}");
+    let after: Vec<_> = fs::read_dir(&run_dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert_eq!(before, after, "nothing created or removed");
+}
+
+/// Data-parallel drafters are not built: `--topology T:D` with D > 1 is refused at launch.
+#[test]
+fn more_than_one_drafter_is_refused_for_dflash() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = tiny_target(dir.path());
+    let run_dir = dir.path().join("run");
+    let flags = RUN_FLAGS.map(|f| if f == "2:1" { "1:2" } else { f });
+    let out = Command::new(bin("dflash-orch"))
+        .arg("launch")
+        .args(flags)
+        .arg("--target-model")
+        .arg(&target)
+        .arg("--run-dir")
+        .arg(&run_dir)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("--topology 1:2") && stderr.contains("one drafter"),
+        "{stderr}"
+    );
+    assert!(!run_dir.exists(), "nothing created");
+}

@@ -1,0 +1,364 @@
+//! Run integrity end to end: a run that cannot be fooled, hung, crashed by an option or left
+//! dirty. Each test feeds its bad case to the real binaries and checks the clear error, and that
+//! nothing was left behind or lost.
+
+use std::fs;
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+use dflash_e2e::{
+    assert_clean, bin, finish, journal_events, orch, signal, status, wait_until, worker_pid,
+};
+
+const RUN_FLAGS: [&str; 14] = [
+    "--gpus",
+    "cpu:3",
+    "--synthetic",
+    "600",
+    "--token-budget",
+    "16384",
+    "--max-len",
+    "4096",
+    "--buckets",
+    "auto:4",
+    "--epochs",
+    "1",
+    "--heartbeat-timeout",
+    "1.5",
+];
+
+fn launch(run_dir: &Path, extra: &[&str]) -> Command {
+    let mut c = Command::new(bin("dflash-orch"));
+    c.arg("launch")
+        .args(RUN_FLAGS)
+        .arg("--run-dir")
+        .arg(run_dir)
+        .args(extra)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    c
+}
+
+fn commits(run_dir: &Path) -> Vec<(u64, u64)> {
+    journal_events(run_dir, "commit")
+        .iter()
+        .map(|c| (c["step"].as_u64().unwrap(), c["checksum"].as_u64().unwrap()))
+        .collect()
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// Segments in /dev/shm whose name carries `needle`.
+fn shm_with(needle: &str) -> Vec<String> {
+    fs::read_dir("/dev/shm")
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(needle))
+        .collect()
+}
+
+fn entries(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = fs::read_dir(dir)
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
+#[test]
+fn a_job_hung_while_heartbeats_continue_is_killed_and_its_batch_handed_out_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let reference = dir.path().join("reference");
+    finish(launch(&reference, &[]).spawn().unwrap());
+    let want = commits(&reference);
+    assert!(want.len() > 20);
+
+    let run_dir = dir.path().join("run");
+    let child = launch(
+        &run_dir,
+        &["--synthetic-us-per-token", "2", "--job-timeout", "1"],
+    )
+    .env("DFLASH_WORKER_FAULTS", "1")
+    .spawn()
+    .unwrap();
+    wait_until("10 commits", Duration::from_secs(60), || {
+        commits(&run_dir).len() >= 10
+    });
+    let (id, pid) = worker_pid(&run_dir, "target");
+    signal(pid, "USR1");
+    let out = finish(child);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(
+        commits(&run_dir),
+        want,
+        "every batch committed once, in plan order"
+    );
+    let exits = journal_events(&run_dir, "worker_exit");
+    let hung = exits
+        .iter()
+        .find(|e| e["worker"] == id && e["pid"] == pid)
+        .unwrap_or_else(|| panic!("no exit of the hung worker: {exits:?}"));
+    let reason = hung["reason"].as_str().unwrap();
+    assert!(
+        reason.starts_with("job timeout after ") && reason.contains(" s (batch "),
+        "{reason}"
+    );
+    assert_clean(&run_dir);
+}
+
+#[test]
+fn jobs_that_always_hang_end_the_run_through_the_restart_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("run");
+    let out = launch(&run_dir, &["--job-timeout", "1", "--max-restarts", "1"])
+        .env("DFLASH_WORKER_HANG_EVERY_JOB", "1")
+        .output()
+        .unwrap();
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("exceeded --max-restarts 1"), "{err}");
+    assert!(err.contains("last exit: job timeout after "), "{err}");
+    assert!(commits(&run_dir).is_empty());
+    assert_clean(&run_dir);
+}
+
+#[test]
+fn option_values_out_of_range_exit_2_naming_the_option_and_leave_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("run");
+    let run_id_prefix = "dflash-";
+    let before = shm_with(run_id_prefix);
+    for (flag, value) in [
+        ("--restart-window", "-1"),
+        ("--heartbeat-timeout", "1e30"),
+        ("--monitor-interval", "1e30"),
+        ("--token-budget", "18446744073709551615"),
+        ("--epochs", "4000000000"),
+        ("--weight-decay", "-3"),
+        ("--job-timeout", "soon"),
+        ("--stop-grace", "inf"),
+        ("--synthetic-us-per-token", "nan"),
+    ] {
+        let out = launch(&run_dir, &[&format!("{flag}={value}")])
+            .output()
+            .unwrap();
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(2), "{flag} {value}: {err}");
+        assert!(err.contains(flag), "{flag} {value}: {err}");
+        assert!(!err.contains("panicked"), "{err}");
+        assert!(!run_dir.exists(), "{flag} {value}: the run dir was created");
+    }
+    let out = orch(&[
+        "status",
+        "--run-dir",
+        run_dir.to_str().unwrap(),
+        "--watch",
+        "1e30",
+    ]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("--watch"));
+    assert_eq!(shm_with(run_id_prefix), before, "no segment was created");
+}
+
+#[test]
+fn a_busy_metrics_port_fails_before_anything_is_written_and_a_relaunch_works() {
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("run");
+    fs::create_dir(&run_dir).unwrap();
+    fs::set_permissions(&run_dir, fs::Permissions::from_mode(0o700)).unwrap();
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = busy.local_addr().unwrap().port().to_string();
+    let out = launch(&run_dir, &["--metrics-addr", &port])
+        .output()
+        .unwrap();
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("--metrics-addr"), "{err}");
+    assert!(
+        entries(&run_dir).is_empty(),
+        "left: {:?}",
+        entries(&run_dir)
+    );
+    assert!(shm_with(&dflash_e2e_run_id(&run_dir)).is_empty());
+    let out = launch(&run_dir, &[]).output().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_clean(&run_dir);
+}
+
+fn dflash_e2e_run_id(run_dir: &Path) -> String {
+    let canonical = run_dir.canonicalize().unwrap();
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in canonical.as_os_str().as_encoded_bytes() {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    format!("{h:016x}")
+}
+
+#[test]
+fn a_long_run_dir_path_runs_and_status_finds_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("r".repeat(140));
+    assert!(run_dir.join("control.sock").as_os_str().len() > 108);
+    let child = launch(&run_dir, &["--synthetic-us-per-token", "2"])
+        .spawn()
+        .unwrap();
+    wait_until("the control socket", Duration::from_secs(30), || {
+        run_dir.join("control.sock").exists()
+    });
+    let s = status(&run_dir);
+    assert_eq!(s["workers"].as_array().unwrap().len(), 3);
+    assert!(
+        orch(&["stop", "--run-dir", run_dir.to_str().unwrap()])
+            .status
+            .success()
+    );
+    let out = finish(child);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_clean(&run_dir);
+}
+
+#[test]
+fn resume_refuses_changed_options_naming_them_and_takes_those_that_may_change() {
+    let dir = tempfile::tempdir().unwrap();
+    let reference = dir.path().join("reference");
+    finish(launch(&reference, &[]).spawn().unwrap());
+    let run_dir = dir.path().join("run");
+    let child = launch(&run_dir, &["--synthetic-us-per-token", "2"])
+        .spawn()
+        .unwrap();
+    wait_until("10 commits", Duration::from_secs(60), || {
+        commits(&run_dir).len() >= 10
+    });
+    signal(child.id() as i32, "TERM");
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(130), "{}", stderr(&out));
+    let journal_before = fs::read(run_dir.join("journal.jsonl")).unwrap();
+    let out = launch(&run_dir, &["--resume", "--seed", "5", "--accum", "8"])
+        .output()
+        .unwrap();
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("--accum 8 (the run has 4)"), "{err}");
+    assert!(err.contains("--seed 5 (the run has 0)"), "{err}");
+    assert_eq!(
+        fs::read(run_dir.join("journal.jsonl")).unwrap(),
+        journal_before,
+        "a refused resume writes nothing"
+    );
+    // The same flags as the run, plus ones that may change on resume.
+    let out = launch(
+        &run_dir,
+        &["--resume", "--max-restarts", "20", "--job-timeout", "300"],
+    )
+    .output()
+    .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let resumed = journal_events(&run_dir, "resume");
+    assert_eq!(resumed[0]["changes"]["max-restarts"], 20);
+    assert_eq!(commits(&run_dir), commits(&reference));
+    assert_clean(&run_dir);
+}
+
+#[test]
+fn a_run_dir_others_can_write_is_refused_and_a_planted_lock_symlink_is_not_followed() {
+    let dir = tempfile::tempdir().unwrap();
+    let open = dir.path().join("open");
+    fs::create_dir(&open).unwrap();
+    fs::set_permissions(&open, fs::Permissions::from_mode(0o777)).unwrap();
+    let out = launch(&open, &[]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("writable by group or others"));
+    assert!(entries(&open).is_empty());
+
+    let run_dir = dir.path().join("run");
+    fs::create_dir(&run_dir).unwrap();
+    fs::set_permissions(&run_dir, fs::Permissions::from_mode(0o700)).unwrap();
+    let victim = dir.path().join("victim.txt");
+    fs::write(&victim, "precious").unwrap();
+    std::os::unix::fs::symlink(&victim, run_dir.join("run.lock")).unwrap();
+    let out = launch(&run_dir, &[]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("run.lock"), "{}", stderr(&out));
+    assert_eq!(fs::read_to_string(&victim).unwrap(), "precious");
+    assert_eq!(entries(&run_dir), ["run.lock"], "nothing else created");
+}
+
+#[test]
+fn clean_removes_only_the_segments_this_run_recorded() {
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("run");
+    let mut child = launch(&run_dir, &["--synthetic-us-per-token", "2"])
+        .spawn()
+        .unwrap();
+    wait_until("a commit", Duration::from_secs(60), || {
+        !commits(&run_dir).is_empty()
+    });
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let run_id = dflash_e2e_run_id(&run_dir);
+    let recorded: Vec<String> = fs::read_to_string(run_dir.join("segments"))
+        .unwrap()
+        .lines()
+        .map(str::to_owned)
+        .collect();
+    assert_eq!(recorded.len(), 2);
+    for path in &recorded {
+        assert!(Path::new(path).exists(), "{path}");
+        assert!(path.contains(&run_id));
+    }
+    // Someone else's file with a name like the run's.
+    let decoy = format!("/dev/shm/dflash-{run_id}-decoy");
+    fs::write(&decoy, "not ours").unwrap();
+    for w in journal_events(&run_dir, "worker_start") {
+        let pid = w["pid"].as_u64().unwrap();
+        wait_until("workers to exit", Duration::from_secs(10), || {
+            !dflash_e2e::alive(pid)
+        });
+    }
+    let out = orch(&["clean", "--run-dir", run_dir.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    for path in &recorded {
+        assert!(!Path::new(path).exists(), "{path} left");
+    }
+    assert!(
+        Path::new(&decoy).exists(),
+        "clean removed a segment it did not record"
+    );
+    fs::remove_file(&decoy).unwrap();
+}
+
+#[test]
+fn sighup_stops_a_launch_cleanly_and_it_resumes() {
+    let dir = tempfile::tempdir().unwrap();
+    let reference = dir.path().join("reference");
+    finish(launch(&reference, &[]).spawn().unwrap());
+    let run_dir = dir.path().join("run");
+    let child = launch(&run_dir, &["--synthetic-us-per-token", "2"])
+        .spawn()
+        .unwrap();
+    wait_until("5 commits", Duration::from_secs(60), || {
+        commits(&run_dir).len() >= 5
+    });
+    signal(child.id() as i32, "HUP");
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(130), "{}", stderr(&out));
+    assert_eq!(
+        journal_events(&run_dir, "end").last().unwrap()["status"],
+        "interrupted"
+    );
+    assert_clean(&run_dir);
+    let out = launch(&run_dir, &["--resume"]).output().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(commits(&run_dir), commits(&reference));
+}
