@@ -274,11 +274,27 @@ fn resume_an_edited_copy(drop_commits: usize, older_checkpoint: bool) {
         fs::write(checkpoints.join("latest"), format!("step-{}", steps[0])).unwrap();
         fs::remove_dir_all(checkpoints.join(format!("step-{}", steps[1]))).unwrap();
     }
-    finish(resume(&run_dir));
+    let out = finish(resume(&run_dir));
     assert_eq!(
         journal_events(&run_dir, "end").last().unwrap()["status"],
         "completed"
     );
+    // Committing from the checkpoint is said aloud: a WARN line and a journal event of its own.
+    let forward = journal_events(&run_dir, "committed_from_checkpoint");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if drop_commits > 0 && !older_checkpoint {
+        assert_eq!(forward.len(), 1, "{forward:?}");
+        assert_eq!(
+            forward[0]["to_step"].as_u64().unwrap() - forward[0]["from_step"].as_u64().unwrap(),
+            drop_commits as u64
+        );
+        assert!(
+            stderr.contains("WARN") && stderr.contains("ahead of the journal"),
+            "{stderr}"
+        );
+    } else {
+        assert!(forward.is_empty(), "{forward:?}");
+    }
     assert_eq!(effective_commits(&run_dir), want.commits);
     assert!(
         final_weights(&run_dir) == want.weights,
