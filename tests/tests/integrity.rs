@@ -362,3 +362,55 @@ fn sighup_stops_a_launch_cleanly_and_it_resumes() {
     assert!(out.status.success(), "{}", stderr(&out));
     assert_eq!(commits(&run_dir), commits(&reference));
 }
+
+/// The run directory fills up (a 96 KB tmpfs in a mount namespace of our own): the run stops with
+/// the reason, the journal holds whole lines only (nothing glued onto a partial one), shared
+/// memory is removed, and the run resumes from its journal once there is room.
+#[test]
+fn a_full_disk_stops_the_run_cleanly_with_whole_journal_lines_and_it_resumes() {
+    let dir = tempfile::tempdir().unwrap();
+    let reference = dir.path().join("reference");
+    finish(launch(&reference, &[]).spawn().unwrap());
+    let mnt = dir.path().join("small");
+    let moved = dir.path().join("moved");
+    fs::create_dir(&mnt).unwrap();
+    let script = format!(
+        "mount -t tmpfs -o size=96k,mode=0700 tmpfs {m} && {bin} launch {flags} --run-dir {m}/run; echo \"rc=$?\"; cp -a {m}/run {o}",
+        bin = bin("dflash-orch").display(),
+        flags = RUN_FLAGS.join(" "),
+        m = mnt.display(),
+        o = moved.display(),
+    );
+    let out = Command::new("unshare")
+        .args(["-m", "sh", "-c", &script])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let err = stderr(&out);
+    assert!(stdout.contains("rc=1"), "{stdout}\n{err}");
+    assert!(err.contains("No space left on device"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    let journal = fs::read_to_string(moved.join("journal.jsonl")).unwrap();
+    assert!(
+        journal.ends_with('\n'),
+        "the journal ends with a whole line"
+    );
+    for (i, line) in journal.lines().enumerate() {
+        assert!(
+            serde_json::from_str::<serde_json::Value>(line).is_ok(),
+            "line {} is not a whole entry: {line:?}",
+            i + 1
+        );
+    }
+    let committed = commits(&moved).len();
+    assert!(
+        committed < commits(&reference).len(),
+        "the disk filled mid-run"
+    );
+    // The rings lived in /dev/shm, outside the namespace's tmpfs: removed on the way out.
+    assert!(shm_with(&dflash_e2e_run_id(&moved)).is_empty());
+    let out = launch(&moved, &["--resume"]).output().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(commits(&moved), commits(&reference));
+    assert_clean(&moved);
+}

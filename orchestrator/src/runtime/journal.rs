@@ -311,6 +311,23 @@ mod tests {
     const RUN: &str = r#"{"event":"run","version":1,"config":{}}"#;
 
     #[test]
+    fn a_failed_append_refuses_every_later_one() {
+        // /dev/full: every write fails with ENOSPC, as on a full disk.
+        let mut journal = JournalWriter::open(Path::new("/dev/full")).unwrap();
+        let entry = Entry::Resume {
+            committed: 3,
+            changes: Default::default(),
+        };
+        let first = journal.append(&entry).unwrap_err();
+        assert_eq!(first.raw_os_error(), Some(nix::libc::ENOSPC));
+        let second = journal.append(&entry).unwrap_err();
+        assert!(
+            second.to_string().contains("an earlier append failed"),
+            "{second}"
+        );
+    }
+
+    #[test]
     fn reads_commits_per_epoch() {
         let text = format!(
             "{RUN}\n{}\n{}\n{}\n{}\n",
