@@ -12,7 +12,13 @@ where
 {
     let tmp = temp_sibling(path);
     let result = (|| {
-        let mut out = BufWriter::new(File::create(&tmp)?);
+        // A fresh file: never one planted at the temporary name (nor a symlink's target).
+        let _ = fs::remove_file(&tmp);
+        let file = fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&tmp)?;
+        let mut out = BufWriter::new(file);
         write(&mut out)?;
         let file = out.into_inner().map_err(io::IntoInnerError::into_error)?;
         file.sync_all()?;

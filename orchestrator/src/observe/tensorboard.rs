@@ -12,6 +12,7 @@
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, BufWriter, Write};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -93,7 +94,11 @@ impl TbWriter {
             wall_time as u64,
             hostname()
         ));
-        let file = OpenOptions::new().create(true).append(true).open(&path)?;
+        let file = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .custom_flags(nix::libc::O_NOFOLLOW)
+            .open(&path)?;
         let mut writer = TbWriter {
             out: BufWriter::new(file),
             path,

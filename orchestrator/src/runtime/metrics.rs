@@ -6,6 +6,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
 use dflash_common::wire::TrainMetrics;
@@ -96,6 +97,7 @@ impl Metrics {
             file: OpenOptions::new()
                 .create(true)
                 .append(true)
+                .custom_flags(nix::libc::O_NOFOLLOW)
                 .open(run_dir.join(FILE))?,
             tb,
             prom,

@@ -3,6 +3,7 @@
 //! on a thread of its own, which a dummy connection unblocks if the child dies first).
 
 use std::fs::OpenOptions;
+use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -83,6 +84,7 @@ pub fn spawn(
     let log = OpenOptions::new()
         .create(true)
         .append(true)
+        .custom_flags(nix::libc::O_NOFOLLOW)
         .open(launch.log_dir.join(format!("worker-{id}.log")))?;
     let mut command = Command::new(&launch.binary);
     command
