@@ -120,7 +120,7 @@ pub fn assert_clean(run_dir: &Path) {
         let pid = w["pid"].as_u64().unwrap();
         wait_until("workers to exit", Duration::from_secs(10), || !alive(pid));
     }
-    let run_id = dflash_common_run_id(run_dir);
+    let run_id = run_id(run_dir);
     let left: Vec<_> = fs::read_dir("/dev/shm")
         .unwrap()
         .filter_map(|e| e.ok())
@@ -129,7 +129,9 @@ pub fn assert_clean(run_dir: &Path) {
     assert!(left.is_empty(), "segments left: {left:?}");
 }
 
-fn dflash_common_run_id(run_dir: &Path) -> String {
+/// The run id of a run directory, derived as the orchestrator derives it (FNV-1a of the canonical
+/// path): what its shared-memory segments are named after.
+pub fn run_id(run_dir: &Path) -> String {
     // Same derivation as the orchestrator (FNV-1a of the canonical path).
     let canonical = run_dir.canonicalize().unwrap();
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;

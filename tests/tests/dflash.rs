@@ -617,16 +617,23 @@ fn a_resume_on_fewer_targets_ends_with_identical_weights() {
     assert_clean(&run_dir);
 }
 
-/// A checkpoint of another run (same drafter shape, other seed and learning rate) is refused by
-/// the drafter, naming what differs, instead of being trained on as if it were this run's.
-#[test]
-fn a_checkpoint_of_another_run_is_refused_naming_what_differs() {
+/// A run of the tiny target SIGKILLed (the orchestrator) between checkpoints: the temporary
+/// directory, the target and the run directory.
+fn killed_between_checkpoints() -> (tempfile::TempDir, PathBuf, PathBuf) {
     let dir = tempfile::tempdir().unwrap();
     let target = tiny_target(dir.path());
     let run_dir = dir.path().join("run");
     let mut child = launch(&run_dir, &target).spawn().unwrap();
     wait_between_checkpoints(&run_dir);
     kill_and_wait(&mut child);
+    (dir, target, run_dir)
+}
+
+/// A checkpoint of another run (same drafter shape, other seed and learning rate) is refused by
+/// the drafter, naming what differs, instead of being trained on as if it were this run's.
+#[test]
+fn a_checkpoint_of_another_run_is_refused_naming_what_differs() {
+    let (_dir, _target, run_dir) = killed_between_checkpoints();
     // The same directory, as if its journal had been written by a run with other settings.
     let journal = run_dir.join("journal.jsonl");
     let text = fs::read_to_string(&journal).unwrap();
@@ -662,12 +669,7 @@ fn a_checkpoint_of_another_run_is_refused_naming_what_differs() {
 /// refused, and creates nothing there.
 #[test]
 fn a_fresh_launch_never_adopts_an_earlier_runs_checkpoint() {
-    let dir = tempfile::tempdir().unwrap();
-    let target = tiny_target(dir.path());
-    let run_dir = dir.path().join("run");
-    let mut child = launch(&run_dir, &target).spawn().unwrap();
-    wait_between_checkpoints(&run_dir);
-    kill_and_wait(&mut child);
+    let (_dir, target, run_dir) = killed_between_checkpoints();
     for name in ["journal.jsonl", "metrics.jsonl", "segments"] {
         let _ = fs::remove_file(run_dir.join(name));
     }

@@ -9,7 +9,7 @@ use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
 use dflash_e2e::{
-    assert_clean, bin, finish, journal_events, orch, signal, status, wait_until, worker_pid,
+    assert_clean, bin, finish, journal_events, orch, run_id, signal, status, wait_until, worker_pid,
 };
 
 const RUN_FLAGS: [&str; 14] = [
@@ -189,20 +189,10 @@ fn a_busy_metrics_port_fails_before_anything_is_written_and_a_relaunch_works() {
         "left: {:?}",
         entries(&run_dir)
     );
-    assert!(shm_with(&dflash_e2e_run_id(&run_dir)).is_empty());
+    assert!(shm_with(&run_id(&run_dir)).is_empty());
     let out = launch(&run_dir, &[]).output().unwrap();
     assert!(out.status.success(), "{}", stderr(&out));
     assert_clean(&run_dir);
-}
-
-fn dflash_e2e_run_id(run_dir: &Path) -> String {
-    let canonical = run_dir.canonicalize().unwrap();
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in canonical.as_os_str().as_encoded_bytes() {
-        h ^= u64::from(*b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    format!("{h:016x}")
 }
 
 #[test]
@@ -228,8 +218,16 @@ fn a_long_run_dir_path_runs_and_status_finds_it() {
     assert_clean(&run_dir);
 }
 
-#[test]
-fn resume_refuses_changed_options_naming_them_and_takes_those_that_may_change() {
+/// An undisturbed run (`reference`), then a slow run of the same plan (`run`) that has committed
+/// `commits` batches: the temporary directory, both run directories and the slow run's process.
+fn reference_and_slow_run(
+    commits_before: usize,
+) -> (
+    tempfile::TempDir,
+    std::path::PathBuf,
+    std::path::PathBuf,
+    std::process::Child,
+) {
     let dir = tempfile::tempdir().unwrap();
     let reference = dir.path().join("reference");
     finish(launch(&reference, &[]).spawn().unwrap());
@@ -237,9 +235,15 @@ fn resume_refuses_changed_options_naming_them_and_takes_those_that_may_change() 
     let child = launch(&run_dir, &["--synthetic-us-per-token", "2"])
         .spawn()
         .unwrap();
-    wait_until("10 commits", Duration::from_secs(60), || {
-        commits(&run_dir).len() >= 10
+    wait_until("commits", Duration::from_secs(60), || {
+        commits(&run_dir).len() >= commits_before
     });
+    (dir, reference, run_dir, child)
+}
+
+#[test]
+fn resume_refuses_changed_options_naming_them_and_takes_those_that_may_change() {
+    let (_dir, reference, run_dir, child) = reference_and_slow_run(10);
     signal(child.id() as i32, "TERM");
     let out = child.wait_with_output().unwrap();
     assert_eq!(out.status.code(), Some(130), "{}", stderr(&out));
@@ -306,7 +310,7 @@ fn clean_removes_only_the_segments_this_run_recorded() {
     });
     child.kill().unwrap();
     child.wait().unwrap();
-    let run_id = dflash_e2e_run_id(&run_dir);
+    let run_id = run_id(&run_dir);
     let recorded: Vec<String> = fs::read_to_string(run_dir.join("segments"))
         .unwrap()
         .lines()
@@ -340,16 +344,7 @@ fn clean_removes_only_the_segments_this_run_recorded() {
 
 #[test]
 fn sighup_stops_a_launch_cleanly_and_it_resumes() {
-    let dir = tempfile::tempdir().unwrap();
-    let reference = dir.path().join("reference");
-    finish(launch(&reference, &[]).spawn().unwrap());
-    let run_dir = dir.path().join("run");
-    let child = launch(&run_dir, &["--synthetic-us-per-token", "2"])
-        .spawn()
-        .unwrap();
-    wait_until("5 commits", Duration::from_secs(60), || {
-        commits(&run_dir).len() >= 5
-    });
+    let (_dir, reference, run_dir, child) = reference_and_slow_run(5);
     signal(child.id() as i32, "HUP");
     let out = child.wait_with_output().unwrap();
     assert_eq!(out.status.code(), Some(130), "{}", stderr(&out));
@@ -408,7 +403,7 @@ fn a_full_disk_stops_the_run_cleanly_with_whole_journal_lines_and_it_resumes() {
         "the disk filled mid-run"
     );
     // The rings lived in /dev/shm, outside the namespace's tmpfs: removed on the way out.
-    assert!(shm_with(&dflash_e2e_run_id(&moved)).is_empty());
+    assert!(shm_with(&run_id(&moved)).is_empty());
     let out = launch(&moved, &["--resume"]).output().unwrap();
     assert!(out.status.success(), "{}", stderr(&out));
     assert_eq!(commits(&moved), commits(&reference));

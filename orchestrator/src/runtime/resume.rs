@@ -81,44 +81,76 @@ fn start_of(history: &History) -> Start {
     }
 }
 
+/// How an option that may change on resume is applied: from this session's options to the run's.
+type Apply = fn(&mut RunConfig, &RunConfig);
+
 /// The options a resume may change: none of them decides the trained weights or the plans.
 /// `--gpus` and `--topology` may change the number of target workers (plans and the drafter's
 /// result do not depend on it), not the number of drafters; `--synthetic-us-per-token` is the
 /// synthetic stage's speed.
-pub const CHANGEABLE_ON_RESUME: &[&str] = &[
-    "gpus",
-    "topology",
-    "metrics-addr",
-    "job-timeout",
-    "stop-grace",
-    "heartbeat-timeout",
-    "monitor-interval",
-    "max-restarts",
-    "restart-window",
-    "synthetic-us-per-token",
+const CHANGEABLE: &[(&str, Apply)] = &[
+    ("gpus", |run, session| {
+        run.gpus.clone_from(&session.gpus);
+        run.topology.clone_from(&session.topology);
+    }),
+    ("topology", |run, session| {
+        run.topology.clone_from(&session.topology)
+    }),
+    ("metrics-addr", |run, session| {
+        run.metrics_addr.clone_from(&session.metrics_addr)
+    }),
+    ("job-timeout", |run, session| {
+        run.job_timeout_s = session.job_timeout_s
+    }),
+    ("stop-grace", |run, session| {
+        run.stop_grace_s = session.stop_grace_s
+    }),
+    ("heartbeat-timeout", |run, session| {
+        run.heartbeat_timeout_s = session.heartbeat_timeout_s;
+        run.heartbeat_ms = session.heartbeat_ms;
+    }),
+    ("monitor-interval", |run, session| {
+        run.monitor_interval_s = session.monitor_interval_s
+    }),
+    ("max-restarts", |run, session| {
+        run.max_restarts = session.max_restarts
+    }),
+    ("restart-window", |run, session| {
+        run.restart_window_s = session.restart_window_s
+    }),
+    ("synthetic-us-per-token", |run, session| {
+        run.synthetic_us_per_token = session.synthetic_us_per_token
+    }),
 ];
+
+/// The names of the options a resume may change.
+pub fn changeable_on_resume() -> impl Iterator<Item = &'static str> {
+    CHANGEABLE.iter().map(|(flag, _)| *flag)
+}
 
 /// Compares the run options given with `--resume` against the journal's. `given` holds, for each
 /// option given on the command line (long name without dashes), its value as the journal records
-/// it (`None` where the option has no journal form). Options that may change are taken; any other
-/// one that differs is refused, naming it. Returns the options of this session and the changes.
+/// it (`Null` where the option has no journal form). Options that may change are taken from
+/// `session`; any other one that differs is refused, naming it. Returns the options of this
+/// session and the changes made.
 pub fn merge(
     stored: RunConfig,
     given: &BTreeMap<String, Value>,
     session: &RunConfig,
 ) -> Result<(RunConfig, BTreeMap<String, Value>), String> {
     let stored_value = serde_json::to_value(&stored).map_err(|e| e.to_string())?;
+    let changeable: Vec<&str> = changeable_on_resume().collect();
     let mut differ = Vec::new();
     for (flag, value) in given {
-        if CHANGEABLE_ON_RESUME.contains(&flag.as_str()) {
+        if changeable.contains(&flag.as_str()) {
             continue;
         }
         let recorded = journal_path(flag).and_then(|path| pointer(&stored_value, path));
-        if recorded.is_some_and(|r| r != value) {
+        if let Some(recorded) = recorded.filter(|r| *r != value) {
             differ.push(format!(
                 "--{flag} {} (the run has {})",
                 compact(value),
-                compact(recorded.unwrap_or(&Value::Null))
+                compact(recorded)
             ));
         }
     }
@@ -126,90 +158,20 @@ pub fn merge(
         return Err(format!(
             "--resume continues the run with its own options; these differ from its journal: {}. Options that may change on resume: --{}",
             differ.join(", "),
-            CHANGEABLE_ON_RESUME.join(", --")
+            changeable.join(", --")
         ));
     }
     let mut merged = stored;
     let mut changes = BTreeMap::new();
-    let mut take = |flag: &str, changed: bool, value: Value| {
-        if given.contains_key(flag) && changed {
-            changes.insert(flag.to_string(), value);
-            true
-        } else {
-            false
+    for (flag, apply) in CHANGEABLE {
+        let Some(value) = given.get(*flag) else {
+            continue;
+        };
+        let before = serde_json::to_value(&merged).map_err(|e| e.to_string())?;
+        apply(&mut merged, session);
+        if serde_json::to_value(&merged).map_err(|e| e.to_string())? != before {
+            changes.insert((*flag).to_string(), value.clone());
         }
-    };
-    if take(
-        "gpus",
-        merged.gpus != session.gpus,
-        Value::from(session.gpus.clone()),
-    ) {
-        merged.gpus = session.gpus.clone();
-        merged.topology = session.topology.clone();
-    }
-    if take(
-        "topology",
-        merged.topology != session.topology,
-        serde_json::to_value(&session.topology).unwrap_or_default(),
-    ) {
-        merged.topology = session.topology.clone();
-    }
-    if take(
-        "metrics-addr",
-        merged.metrics_addr != session.metrics_addr,
-        serde_json::to_value(&session.metrics_addr).unwrap_or_default(),
-    ) {
-        merged.metrics_addr = session.metrics_addr.clone();
-    }
-    if take(
-        "job-timeout",
-        merged.job_timeout_s != session.job_timeout_s,
-        serde_json::to_value(session.job_timeout_s).unwrap_or_default(),
-    ) {
-        merged.job_timeout_s = session.job_timeout_s;
-    }
-    if take(
-        "stop-grace",
-        merged.stop_grace_s != session.stop_grace_s,
-        Value::from(session.stop_grace_s),
-    ) {
-        merged.stop_grace_s = session.stop_grace_s;
-    }
-    if take(
-        "heartbeat-timeout",
-        merged.heartbeat_timeout_s != session.heartbeat_timeout_s,
-        Value::from(session.heartbeat_timeout_s),
-    ) {
-        merged.heartbeat_timeout_s = session.heartbeat_timeout_s;
-        merged.heartbeat_ms = session.heartbeat_ms;
-    }
-    if take(
-        "monitor-interval",
-        merged.monitor_interval_s != session.monitor_interval_s,
-        Value::from(session.monitor_interval_s),
-    ) {
-        merged.monitor_interval_s = session.monitor_interval_s;
-    }
-    if take(
-        "max-restarts",
-        merged.max_restarts != session.max_restarts,
-        Value::from(session.max_restarts),
-    ) {
-        merged.max_restarts = session.max_restarts;
-    }
-    if take(
-        "synthetic-us-per-token",
-        merged.synthetic_us_per_token != session.synthetic_us_per_token,
-        Value::from(session.synthetic_us_per_token),
-    ) {
-        merged.synthetic_us_per_token = session.synthetic_us_per_token;
-    }
-    if take(
-        "restart-window",
-        merged.restart_window_s != session.restart_window_s,
-        Value::from(session.restart_window_s),
-    ) {
-        merged.restart_window_s = session.restart_window_s;
     }
     Ok((merged, changes))
 }
@@ -244,6 +206,15 @@ fn journal_path(flag: &str) -> Option<&'static [&'static str]> {
         "weight-decay" => &["dflash", "weight_decay"],
         "save-every" => &["dflash", "save_every"],
         "keep-checkpoints" => &["dflash", "keep_checkpoints"],
+        "gpus" => &["gpus"],
+        "topology" => &["topology"],
+        "metrics-addr" => &["metrics_addr"],
+        "job-timeout" => &["job_timeout_s"],
+        "stop-grace" => &["stop_grace_s"],
+        "heartbeat-timeout" => &["heartbeat_timeout_s"],
+        "monitor-interval" => &["monitor_interval_s"],
+        "max-restarts" => &["max_restarts"],
+        "restart-window" => &["restart_window_s"],
         _ => return None,
     })
 }
@@ -273,4 +244,87 @@ pub fn given_values(given: &[String], session: &RunConfig) -> BTreeMap<String, V
             (flag.clone(), v)
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::runtime::PlannerSettings;
+
+    fn config() -> RunConfig {
+        RunConfig {
+            gpus: "cpu:3".into(),
+            topology: Some("2:1".into()),
+            data: None,
+            synthetic: Some(100),
+            synthetic_seed: 0,
+            stage: "synthetic".into(),
+            synthetic_us_per_token: 0.0,
+            epochs: 2,
+            planner: PlannerSettings::from_config(&Default::default()),
+            max_restarts: 5,
+            restart_window_s: 600.0,
+            heartbeat_timeout_s: 30.0,
+            heartbeat_ms: 1000,
+            monitor_interval_s: 1.0,
+            metrics_addr: None,
+            dflash: None,
+            job_timeout_s: None,
+            stop_grace_s: 300.0,
+        }
+    }
+
+    fn given(flags: &[&str], session: &RunConfig) -> BTreeMap<String, Value> {
+        let flags: Vec<String> = flags.iter().map(|f| f.to_string()).collect();
+        given_values(&flags, session)
+    }
+
+    #[test]
+    fn options_that_decide_the_run_may_not_change_on_resume() {
+        let stored = config();
+        let mut session = config();
+        session.epochs = 3;
+        session.planner.seed = 9;
+        // Given with the run's own value: accepted.
+        assert!(merge(stored.clone(), &given(&["synthetic"], &session), &session).is_ok());
+        let e = merge(
+            stored,
+            &given(&["epochs", "seed", "synthetic"], &session),
+            &session,
+        )
+        .unwrap_err();
+        assert!(
+            e.contains("--epochs 3 (the run has 2), --seed 9 (the run has 0)"),
+            "{e}"
+        );
+        assert!(!e.contains("--synthetic 100"), "{e}");
+    }
+
+    #[test]
+    fn options_that_may_change_are_taken_and_recorded() {
+        let stored = config();
+        let mut session = config();
+        session.gpus = "cpu:2".into();
+        session.topology = None;
+        session.max_restarts = 9;
+        session.epochs = 3; // not given: the run's value stays
+        let (merged, changes) = merge(
+            stored,
+            &given(&["gpus", "max-restarts", "job-timeout"], &session),
+            &session,
+        )
+        .unwrap();
+        assert_eq!(merged.gpus, "cpu:2");
+        assert_eq!(
+            merged.topology, None,
+            "a new --gpus resolves its own topology"
+        );
+        assert_eq!(merged.max_restarts, 9);
+        assert_eq!(merged.epochs, 2);
+        assert_eq!(
+            changes.keys().collect::<Vec<_>>(),
+            ["gpus", "max-restarts"],
+            "job-timeout was given with the run's value: no change"
+        );
+    }
 }
