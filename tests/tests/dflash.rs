@@ -670,7 +670,7 @@ fn a_checkpoint_of_another_run_is_refused_naming_what_differs() {
 #[test]
 fn a_fresh_launch_never_adopts_an_earlier_runs_checkpoint() {
     let (_dir, target, run_dir) = killed_between_checkpoints();
-    for name in ["journal.jsonl", "metrics.jsonl", "segments"] {
+    for name in ["journal.jsonl", "metrics.jsonl"] {
         let _ = fs::remove_file(run_dir.join(name));
     }
     let before: Vec<_> = fs::read_dir(&run_dir)
@@ -692,6 +692,13 @@ fn a_fresh_launch_never_adopts_an_earlier_runs_checkpoint() {
         .map(|e| e.file_name())
         .collect();
     assert_eq!(before, after, "nothing created or removed");
+    // The killed run's rings: `clean` removes them.
+    assert!(
+        orch(&["clean", "--run-dir", run_dir.to_str().unwrap()])
+            .status
+            .success()
+    );
+    assert_clean(&run_dir);
 }
 
 /// Data-parallel drafters are not built: `--topology T:D` with D > 1 is refused at launch.

@@ -321,7 +321,12 @@ mod bad_input {
         assert_refused(&orch(&["plan", "--lengths", &p]), 2, "no samples");
         let (_d, p) = lengths_file(b"\n\n  \n");
         assert_refused(&orch(&["plan", "--lengths", &p]), 2, "no samples");
-        assert_refused(&orch(&["plan", "--synthetic", "0"]), 2, "no samples");
+        // Refused when parsed: the option and its range are named.
+        assert_refused(
+            &orch(&["plan", "--synthetic", "0"]),
+            2,
+            "--synthetic <N>': 0 is not in 1..=",
+        );
     }
 
     #[test]

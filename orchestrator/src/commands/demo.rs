@@ -24,11 +24,12 @@ pub struct DemoArgs {
     pub run_dir: PathBuf,
 
     /// Conversations to generate (at least 50).
-    #[arg(long, value_name = "N", default_value_t = 2000)]
+    #[arg(long, value_name = "N", default_value_t = 2000,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(50..=1_000_000))]
     pub samples: usize,
 
     /// Epochs to train (at least 1).
-    #[arg(long, value_name = "N", default_value_t = 6)]
+    #[arg(long, value_name = "N", default_value_t = 6, value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub epochs: u32,
 
     /// Seed of the data, the target, the plans and the drafter.

@@ -24,11 +24,13 @@ pub struct InitTinyArgs {
     pub seed: u64,
 
     /// Hidden size.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(16..=8192))]
     pub hidden_size: usize,
 
     /// Decoder layers.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=64))]
     pub layers: usize,
 
     /// Replace DIR if it exists.

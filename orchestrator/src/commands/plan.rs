@@ -35,7 +35,8 @@ pub struct PlanArgs {
 
     /// Plan a synthetic workload of N samples shaped like the original 902K-sample dataset
     /// (log-normal, median 1500, sigma 0.944, clipped to [16, 8192]).
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N",
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=MAX_SYNTHETIC as u64))]
     pub synthetic: Option<usize>,
 
     /// Seed of the synthetic workload.

@@ -49,7 +49,8 @@ pub struct PrepareArgs {
     pub chat_template: String,
 
     /// Longest sample; longer ones are handled by --on-overlong.
-    #[arg(long, value_name = "TOKENS", default_value_t = 8192)]
+    #[arg(long, value_name = "TOKENS", default_value_t = 8192,
+          value_parser = clap::value_parser!(u32).range(1..=i64::from(crate::planner::MAX_SUPPORTED_LEN)))]
     pub max_len: u32,
 
     /// What to do with samples longer than --max-len: truncate | drop.
@@ -57,11 +58,12 @@ pub struct PrepareArgs {
     pub on_overlong: OverlongPolicy,
 
     /// Leave out samples with fewer loss tokens than this (2 × block size).
-    #[arg(long, value_name = "N", default_value_t = 32)]
+    #[arg(long, value_name = "N", default_value_t = 32,
+          value_parser = clap::value_parser!(u32).range(0..=i64::from(crate::planner::MAX_SUPPORTED_LEN)))]
     pub min_loss_tokens: u32,
 
     /// Vocabulary size: token ids must be below it [default: the tokenizer's, if given].
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     pub vocab_size: Option<u32>,
 
     /// What to do with bad records (malformed, bad ids or masks, unknown roles, unreadable files).

@@ -36,7 +36,7 @@ pub struct TopArgs {
     pub run_dir: PathBuf,
 
     /// Refresh every SECS seconds (at most 3600).
-    #[arg(long, value_name = "SECS", default_value_t = 1.0)]
+    #[arg(long, value_name = "SECS", default_value_t = 1.0, value_parser = crate::options::positive(3600.0, " seconds"))]
     pub interval: f64,
 }
 

@@ -79,12 +79,15 @@ impl Run {
                         "no heartbeat for {:.1} s: killing it",
                         limit.as_secs_f64()
                     );
-                    w.hung = Some(format!(
+                    // The first reason found stands (a job deadline may have come first).
+                    w.hung.get_or_insert(format!(
                         "missed heartbeats for {:.1} s (hung)",
                         limit.as_secs_f64()
                     ));
                     p.kill();
                     w.last_seen = now;
+                    // Killed already: its job deadline must not name another reason.
+                    w.job = None;
                 }
             }
             // Hung inside a job: heartbeats come from their own thread and stay fresh.
@@ -97,12 +100,12 @@ impl Run {
                 let took = now.duration_since(since);
                 if took > limit {
                     let reason = format!(
-                        "job timeout after {:.0} s (batch {batch} of epoch {})",
+                        "job timeout after {:.1} s (batch {batch} of epoch {})",
                         took.as_secs_f64(),
                         self.epoch
                     );
                     tracing::warn!(worker = w.id, "{reason}: killing it");
-                    w.hung = Some(reason);
+                    w.hung.get_or_insert(reason);
                     w.job = None;
                     p.kill();
                 }
