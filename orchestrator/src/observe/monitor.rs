@@ -281,4 +281,49 @@ mod tests {
         let none = Monitor::new(Err("NVML not available".into()), Duration::from_secs(1));
         assert_eq!(none.unavailable.as_deref(), Some("NVML not available"));
     }
+
+    /// A GPU that answers only after a while (a wedged driver call).
+    struct Wedged(std::sync::mpsc::Receiver<()>);
+
+    impl GpuSource for Wedged {
+        fn sample(&mut self, gpu: u32) -> Result<GpuSample, String> {
+            let _ = self.0.recv();
+            Ok(GpuSample {
+                gpu,
+                ..Default::default()
+            })
+        }
+
+        fn xid_events(&mut self) -> Vec<super::super::gpu::XidEvent> {
+            Vec::new()
+        }
+    }
+
+    #[test]
+    fn a_wedged_gpu_never_blocks_the_caller() {
+        let (release, wedge) = std::sync::mpsc::channel();
+        let monitor = Monitor::new(Ok(Box::new(Wedged(wedge))), Duration::from_millis(10));
+        let mut background = Background::spawn(monitor);
+        assert!(background.due());
+        let owner = GpuOwner {
+            worker: 0,
+            role: "target",
+        };
+        background.request(vec![(0, owner)], Vec::new());
+        // The reading is stuck in the driver: the loop goes on, and asks for no second one.
+        for _ in 0..20 {
+            assert!(background.poll().is_none());
+            assert!(!background.due());
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        release.send(()).unwrap();
+        let tick = loop {
+            if let Some(tick) = background.poll() {
+                break tick;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        assert_eq!(tick.gpus.len(), 1);
+        assert!(background.gpus.contains_key(&0));
+    }
 }
