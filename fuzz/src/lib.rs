@@ -8,20 +8,29 @@
 //!
 //! Inputs made of several files are split on [`SEP`].
 
+use std::ffi::{OsStr, OsString};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
+use std::time::Duration;
 
 use dflash_common::dflash;
 use dflash_common::ring::{self, Ring};
+use dflash_orch::cli::Command;
+use dflash_orch::commands::launch::{self, LaunchArgs};
+use dflash_orch::commands::plan::{self, PlanArgs};
+use dflash_orch::ingest::Format;
 use dflash_orch::ingest::chat::{Template, parse_conversation};
 use dflash_orch::ingest::jsonl::parse_pretokenized;
-use dflash_orch::planner::{BucketSpec, Interleave, Mode, OverlongPolicy};
+use dflash_orch::planner::{BucketSpec, Interleave, Mode, OverlongPolicy, Planner};
+use dflash_orch::runtime::RunConfig;
 use dflash_orch::runtime::control::parse_request;
 use dflash_orch::runtime::journal;
+use dflash_orch::runtime::launch_plan::check_options;
+use dflash_orch::runtime::resume;
 use dflash_orch::runtime::spec::{GpuSpec, Topology};
 use dflash_orch::store::{self, Store};
-use dflash_orch::workload::parse_lengths;
+use dflash_orch::workload::{parse_lengths, synthetic_lengths};
 
 /// A harness: feeds one fuzz input to its parsers.
 pub type Harness = fn(&[u8]);
@@ -249,9 +258,223 @@ fn needs_resolver(addr: &str) -> bool {
     }
 }
 
-/// Command-line option values: the text given to every option parser, and what is done with the
-/// value next (validation against a machine or a max length).
+/// The commands the `options` target drives, picked by the input's first byte modulo 6 (the ASCII
+/// digits `0` to `4` pick them in this order); `5` hands the rest to the value parsers alone
+/// ([`option_values`]).
+pub const OPTION_COMMANDS: [&str; 5] = ["launch", "status", "plan", "prepare", "demo"];
+
+/// A whole command line: the first byte picks the command (see [`OPTION_COMMANDS`]), the rest is
+/// its arguments, one per line (a NUL also ends one; a final newline ends the last line, so
+/// `--gpus\n\n` is `--gpus ""`), bytes as they are (not necessarily UTF-8, as on Linux).
+///
+/// The line goes through `cli::parse` (clap, with the numeric ranges), then through what the
+/// command does with its arguments before it touches anything:
+/// - `launch`: `commands::launch::config_from_args` (with `--resume`: against two journaled
+///   configurations, a synthetic and a DFlash one, then `runtime::resume::given_values` and
+///   `merge`), `runtime::launch_plan::check_options` with no GPU and with 8, the seconds turned
+///   into `Duration`s as the supervisor does, and `DflashSettings::check` against the target's
+///   config. Paths are kept inside the scratch folder: `--target-model model` is a valid tiny
+///   Qwen3 `config.json`, any other `--target-model` and every `--data` a path that does not
+///   exist; a `--metrics-addr` that would go to the resolver becomes `0`.
+/// - `status`: `--watch` turned into a `Duration` as `status` does.
+/// - `plan`: `commands::plan::config_from_args`, then `Planner::new` on a small synthetic
+///   workload (`--synthetic N`, at most 256 samples; 64 without it), `plan_epoch(--epoch)`,
+///   `stats` and the summary.
+/// - `prepare`: `--format` and `--chat-template` parsed as `prepare` does first (its other checks
+///   need the input files).
+/// - `demo`: `cli::parse` only (its argument checks are private to `commands::demo`).
 pub fn options(data: &[u8]) {
+    use std::os::unix::ffi::OsStringExt;
+
+    let (pick, rest) = flags(data);
+    let Some(&command) = OPTION_COMMANDS.get(usize::from(pick % 6)) else {
+        return option_values(rest);
+    };
+    let rest = rest.strip_suffix(b"\n").unwrap_or(rest);
+    let mut argv = vec![OsString::from("dflash-orch"), OsString::from(command)];
+    if !rest.is_empty() {
+        argv.extend(
+            rest.split(|&b| b == b'\n' || b == 0)
+                .map(|arg| OsString::from_vec(arg.to_vec())),
+        );
+    }
+    let Some(cli) = shown(dflash_orch::cli::parse(argv)) else {
+        return;
+    };
+    match cli.command {
+        Command::Launch(args) => launch_options(*args),
+        Command::Status(args) => {
+            // `status::run` sleeps this long between two reads.
+            if let Some(secs) = args.watch
+                && secs > 0.0
+            {
+                let _ = Duration::from_secs_f64(secs);
+            }
+        }
+        Command::Plan(args) => plan_options(&args),
+        Command::Prepare(args) => {
+            if let Some(format) = &args.format {
+                let _ = shown(format.parse::<Format>());
+            }
+            let _ = shown(args.chat_template.parse::<Template>());
+        }
+        _ => {}
+    }
+}
+
+/// `Some` of an `Ok`; an error's message is written out (to a string) as the command would.
+fn shown<T, E: std::fmt::Display>(result: Result<T, E>) -> Option<T> {
+    result.map_err(|e| e.to_string()).ok()
+}
+
+/// `--target-model` naming the valid tiny target (see [`options`]).
+const TINY_TARGET: &str = "model";
+
+/// The `options` scratch folder, holding `model/config.json` (a valid tiny Qwen3 target).
+fn options_dir() -> PathBuf {
+    let dir = scratch().join("options");
+    let config = dir.join(TINY_TARGET).join("config.json");
+    if !config.is_file() {
+        std::fs::create_dir_all(dir.join(TINY_TARGET)).expect("create a scratch directory");
+        write(
+            &config,
+            br#"{"architectures": ["Qwen3ForCausalLM"], "vocab_size": 64, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 8, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4, "rms_norm_eps": 1e-06, "tie_word_embeddings": true}"#,
+        );
+    }
+    dir
+}
+
+/// The configurations a `--resume` is checked against: a synthetic run's and a DFlash run's, as a
+/// fresh launch made them (once per process).
+fn journaled_configs(dir: &Path) -> &'static [RunConfig] {
+    static CONFIGS: OnceLock<Vec<RunConfig>> = OnceLock::new();
+    CONFIGS.get_or_init(|| fresh_configs(dir))
+}
+
+fn fresh_configs(dir: &Path) -> Vec<RunConfig> {
+    let model = dir.join(TINY_TARGET);
+    let fresh = |extra: &[&OsStr]| {
+        let mut argv: Vec<&OsStr> = [
+            "dflash-orch",
+            "launch",
+            "--run-dir",
+            "run",
+            "--gpus",
+            "cpu:3",
+        ]
+        .map(OsStr::new)
+        .to_vec();
+        argv.extend_from_slice(extra);
+        let cli = dflash_orch::cli::parse(argv).expect("a valid launch command line");
+        let Command::Launch(args) = cli.command else {
+            unreachable!("a launch command line")
+        };
+        launch::config_from_args(&args, None).expect("a valid launch configuration")
+    };
+    vec![
+        fresh(&["--synthetic", "1000"].map(OsStr::new)),
+        fresh(&[
+            OsStr::new("--data"),
+            dir.join("absent-store").as_os_str(),
+            OsStr::new("--stage"),
+            OsStr::new("dflash"),
+            OsStr::new("--target-model"),
+            model.as_os_str(),
+        ]),
+    ]
+}
+
+/// `launch`'s arguments, as far as a launch goes before its first side effect.
+fn launch_options(mut args: LaunchArgs) {
+    let dir = options_dir();
+    if let Some(model) = &args.dflash.target_model {
+        args.dflash.target_model = Some(if model.as_os_str() == TINY_TARGET {
+            dir.join(TINY_TARGET)
+        } else {
+            dir.join("absent-model")
+        });
+    }
+    if args.data.is_some() {
+        args.data = Some(dir.join("absent-store"));
+    }
+    if args.metrics_addr.as_deref().is_some_and(needs_resolver) {
+        args.metrics_addr = Some("0".into());
+    }
+    if !args.resume {
+        if let Some(config) = shown(launch::config_from_args(&args, None)) {
+            check_run(&config);
+        }
+        return;
+    }
+    for stored in journaled_configs(&dir) {
+        let Some(session) = shown(launch::config_from_args(&args, Some(stored))) else {
+            continue;
+        };
+        let given = resume::given_values(&args.given, &session);
+        if let Some((config, _changes)) = shown(resume::merge(stored.clone(), &given, &session)) {
+            check_run(&config);
+        }
+    }
+}
+
+/// What a launch checks of its configuration before it touches anything, and the values the run
+/// then makes of it.
+fn check_run(config: &RunConfig) {
+    let mut checked = false;
+    for gpus in [Err("no GPU".to_string()), Ok(8)] {
+        if let Some(c) = shown(check_options(config, gpus)) {
+            assert_eq!(
+                u64::from(c.topology.targets) + u64::from(c.topology.drafters),
+                c.devices.len() as u64,
+                "the topology's workers are the devices"
+            );
+            checked = true;
+        }
+    }
+    if !checked {
+        return;
+    }
+    // The supervisor, the stop and the monitor turn these seconds into `Duration`s (which panics
+    // on a negative, non-finite or huge number).
+    let seconds = [
+        Some(config.heartbeat_timeout_s),
+        Some(config.restart_window_s),
+        Some(config.stop_grace_s),
+        Some(config.monitor_interval_s.max(0.01)),
+        config.job_timeout_s,
+    ];
+    for s in seconds.into_iter().flatten() {
+        let _ = Duration::from_secs_f64(s);
+    }
+    if let Some(settings) = &config.dflash
+        && let Some(target) = shown(dflash::read_config(&settings.target_model))
+        && shown(settings.check(&target)).is_some()
+    {
+        let _ = (
+            settings.feature_width(&target),
+            settings.target_layers_needed(),
+            settings.warmup_steps(),
+        );
+    }
+}
+
+/// `plan`'s arguments: the planner's configuration, then one epoch of a small workload planned
+/// with it.
+fn plan_options(args: &PlanArgs) {
+    let Some(config) = shown(plan::config_from_args(&args.planner)) else {
+        return;
+    };
+    let samples = args.synthetic.map_or(64, |n| n.min(256));
+    let lengths = synthetic_lengths(samples, args.synthetic_seed);
+    if let Some(planner) = shown(Planner::new(lengths, config)) {
+        let epoch = planner.plan_epoch(args.epoch);
+        let _ = plan::summary(&planner.stats(&epoch), "fuzz");
+    }
+}
+
+/// Command-line option values alone (selector `5`): the text given to every option parser, and
+/// what is done with the value next (validation against a machine or a max length).
+pub fn option_values(data: &[u8]) {
     let Ok(text) = std::str::from_utf8(data) else {
         return;
     };
