@@ -357,6 +357,9 @@ def summary(a):
                 f">= {GOAL_RING_RATIO}x memcpy" if goal else "-",
                 verdict(v["ratio"] >= GOAL_RING_RATIO) if goal else "-",
             ))
+        if "shipping_over_idealised" in ring:
+            rows.append(("ring handoff, shipping path / idealised copy (same batches, same run)",
+                         f"{ring['shipping_over_idealised']:.2f}", "-", "-"))
         rows.append(("memcpy, destinations past the caches (context)",
                      f"{ring['memcpy_cold_gbs']:.2f} GB/s", "-", "-"))
         r = ring["rtt_us"]

@@ -1,31 +1,49 @@
-//! Ring handoff benchmark: how fast batches go from the feeder to a worker through an input ring.
+//! Ring handoff benchmark: how fast batches go from the feeder to a worker through an input ring,
+//! first along the path a run ships, then along an idealised copy, on the same batches in one run.
 //!
-//! The feeder (this process's main thread) writes padded batches into the free slots of an input
-//! ring in `/dev/shm`, publishes each under a new generation with its `SlotMeta`, and hands the
-//! slot to a consumer process over ipc-channel (`Job::Forward`, the orchestrator's own message),
-//! with `--slots` batches in flight. The consumer (this binary again, started with `--consumer`)
-//! checks the generation, reads every real token, and acks the slot (`Event::Forwarded`). Right
-//! after each handoff run, a plain `copy_from_slice` of the same bytes (lengths and padded tokens,
-//! from the same source batches into `--slots` rotating buffers), the same number of times, is the
-//! yardstick.
+//! Before measuring, the bench writes a dataset store to a temporary directory with `StoreWriter`,
+//! as `dflash-orch prepare` does (`tokens.bin`, `loss_mask.bin`, `index.bin`, `meta.json`), with
+//! `--sources` batches of `--rows` samples each, the samples scattered through the store as a
+//! shuffled plan scatters them, and a loss mask per sample (a masked prompt, then loss tokens). It
+//! opens it with `Store::open`, as `launch --data` does. The idealised variants copy the same
+//! batches, gathered from that store once, beforehand, into memory; before measuring, the bench
+//! checks that both write the same lengths, padded tokens and checksum into a slot. The store was
+//! just written, so it is in the page cache, and with the default 8 batches (1.9 MiB of tokens and
+//! masks) the sources of both stay in the CPU caches: neither row pays for reading disk or DRAM.
+//!
+//! The feeder (this process's main thread) writes batches into the free slots of an input ring in
+//! `/dev/shm`, publishes each under a new generation with its `SlotMeta`, and hands the slot to a
+//! consumer process over ipc-channel (`Job::Forward`, the orchestrator's own message), with
+//! `--slots` batches in flight. The consumer (this binary again, started with `--consumer`) checks
+//! the generation, reads the batch, and acks the slot (`Event::Forwarded`). Right after each
+//! handoff run, a plain `copy_from_slice` of the batch's lengths and padded tokens (from the same
+//! batches into `--slots` rotating buffers), the same number of times, is the yardstick.
 //!
 //! Variants (feeder write path -> consumer read path), each against the same consumer process:
-//!   1. `copy -> in place`: lengths, then each row's tokens with one `copy_from_slice` and its
-//!      padding zeroed (the checksum in `SlotMeta` is the source batch's, computed when it was
-//!      made); the consumer sums every real token where it lies in the slot. The handoff itself.
-//!   2. `copy -> read_tokens`: the consumer reads as the synthetic stage does
+//!   1. `shipping path`: what a run does for every batch. `Run::feed` takes a free slot and its
+//!      next generation from `Dispatch::feed` and calls `Run::write_batch`, which the feeder here
+//!      does as that and `Run::gather` do (both private to the runtime, so mirrored line for line,
+//!      per-batch allocations included; timing the functions themselves would need the runtime to
+//!      expose them): gather each sample's tokens and loss mask from the store (`Store::tokens`,
+//!      `Store::loss_mask`, the lengths from `Store::lengths` as the planner holds them) into a
+//!      scratch vector, `dflash_common::ring::write_batch` (rows, padding, masks, the CRC-32C
+//!      checksum), `Ring::publish`. The consumer reads as the DFlash target does (`Ring::check`,
+//!      `read_lengths`, `read_tokens`, `read_masks` copied out) and verifies the CRC-32C of the
+//!      tokens against the feeder's, as the drafter does.
+//!   2. `idealised: copy -> in place`: lengths, then each row's tokens with one `copy_from_slice`
+//!      from memory and its padding zeroed, no masks (the checksum in `SlotMeta` is the source
+//!      batch's, computed beforehand); the consumer sums every real token where it lies in the slot.
+//!      The handoff alone: the most a feeder and a reader could hope for.
+//!   3. `copy -> read_tokens`: as 2, the consumer reads as the synthetic stage does
 //!      (`dflash_common::ring::read_tokens`: the real tokens gathered into a vector).
-//!   3. `copy+checksum -> read_tokens`: the feeder also computes `token_checksum` per batch.
-//!   4. `write_batch -> read_tokens`: the feeder does what `Run::write_batch` does: gather the
-//!      samples into a scratch vector and call `dflash_common::ring::write_batch` (row copies and
-//!      the CRC-32C checksum).
+//!   4. `copy+checksum -> read_tokens`: as 3, the feeder also computes `token_checksum` per batch.
 //!
 //! Then the descriptor round trip: a small `Job::Train` answered by `Event::Trained`, timed one at a
 //! time.
 //!
 //! ```sh
 //! cargo run --release -p dflash-orch --example ring_bench -- [--rows 12] [--max-len 4096] \
-//!     [--slots 4] [--rounds 3] [--seconds 0.4] [--rtt 10000] [--json FILE]
+//!     [--slots 8] [--sources 8] [--rounds 3] [--seconds 0.4] [--rtt 10000] [--json FILE]
 //! ```
 
 use std::collections::BTreeMap;
@@ -38,9 +56,11 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use dflash_common::ring::{
-    Layout, Ring, SlotMeta, input_data_bytes, read_tokens, token_checksum, write_batch,
+    Layout, Ring, SlotMeta, input_data_bytes, read_lengths, read_masks, read_tokens,
+    token_checksum, write_batch,
 };
 use dflash_common::wire::{BatchId, Event, Hello, Job, PROTOCOL, SlotRef};
+use dflash_orch::store::{FORMAT, Store, StoreMeta, StoreWriter, VERSION};
 use ipc_channel::ipc::{self, IpcOneShotServer, IpcReceiver, IpcSender};
 use serde_json::json;
 
@@ -62,7 +82,7 @@ struct Args {
     /// Slots of the ring, all in flight at once.
     #[arg(long, default_value_t = 8)]
     slots: u32,
-    /// Distinct source batches the feeder cycles through.
+    /// Distinct batches the feeder cycles through (rows x sources samples in the store).
     #[arg(long, default_value_t = 8)]
     sources: usize,
     /// Measured rounds; each runs every variant, then its memcpy, once.
@@ -95,20 +115,24 @@ struct Args {
 }
 
 /// `BatchId::epoch` tells the consumer which measurement a batch belongs to: 0 for the warm-up
-/// (read with `read_tokens`, checksum verified), else the variant's number, with this bit set when
-/// the consumer reads in place.
+/// (read with `read_tokens`, checksum verified), else the variant's number, with one of these bits
+/// set when the consumer reads in place or as a worker does.
 const PHASE_WARMUP: u32 = 0;
 const READ_IN_PLACE: u32 = 0x100;
+const READ_AS_WORKER: u32 = 0x200;
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Writer {
+    /// Gather from the store, `write_batch`: `Run::write_batch`.
+    Shipping,
     Copy,
     CopyChecksum,
-    WriteBatch,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Reader {
+    /// Check, lengths, tokens and masks as the DFlash target reads them; CRC-32C verified.
+    AsWorker,
     InPlace,
     RealTokens,
 }
@@ -119,9 +143,18 @@ struct Variant {
     reader: Reader,
 }
 
+/// The shipping path first, the idealised copy second: the two headline rows.
+const SHIPPING: usize = 0;
+const IDEALISED: usize = 1;
+
 const VARIANTS: [Variant; 4] = [
     Variant {
-        name: "copy -> in place",
+        name: "shipping path",
+        writer: Writer::Shipping,
+        reader: Reader::AsWorker,
+    },
+    Variant {
+        name: "idealised: copy -> in place",
         writer: Writer::Copy,
         reader: Reader::InPlace,
     },
@@ -135,16 +168,12 @@ const VARIANTS: [Variant; 4] = [
         writer: Writer::CopyChecksum,
         reader: Reader::RealTokens,
     },
-    Variant {
-        name: "write_batch -> read_tokens",
-        writer: Writer::WriteBatch,
-        reader: Reader::RealTokens,
-    },
 ];
 
 fn phase(v: usize) -> u32 {
     let n = v as u32 + 1;
     match VARIANTS[v].reader {
+        Reader::AsWorker => n | READ_AS_WORKER,
         Reader::InPlace => n | READ_IN_PLACE,
         Reader::RealTokens => n,
     }
@@ -211,7 +240,9 @@ fn consumer(name: String, ring_path: &Path) -> Result<(), String> {
             },
             Job::Forward { id, input, .. } => {
                 let started = Instant::now();
-                let read = if id.epoch & READ_IN_PLACE != 0 {
+                let read = if id.epoch & READ_AS_WORKER != 0 {
+                    read_as_worker(&ring, input)
+                } else if id.epoch & READ_IN_PLACE != 0 {
                     read_in_place(&ring, input)
                 } else {
                     read_real_tokens(&ring, input, id.epoch == PHASE_WARMUP)
@@ -274,6 +305,32 @@ fn read_real_tokens(ring: &Ring, at: SlotRef, verify: bool) -> Result<(usize, u6
     Ok((tokens.len(), sum))
 }
 
+/// Reads the batch as the DFlash target does (`TargetStage::forward`: the generation check of
+/// `claim`, then `read_lengths`, `read_tokens`, `read_masks` copied out) and checks the tokens'
+/// CRC-32C against the feeder's, as the drafter does (`train`); returns the token count and a sum
+/// over tokens, lengths and masks.
+fn read_as_worker(ring: &Ring, at: SlotRef) -> Result<(usize, u64), String> {
+    let meta = ring
+        .check(at.slot, at.generation)
+        .map_err(|e| e.to_string())?;
+    let data = ring.data(at.slot);
+    let lengths = read_lengths(data, &meta)?;
+    let mut tokens = Vec::with_capacity(meta.tokens as usize);
+    read_tokens(data, &meta, &mut tokens)?;
+    let masks = read_masks(data, &meta)?.to_vec();
+    let found = token_checksum(&tokens);
+    if found != meta.checksum {
+        return Err(format!(
+            "corrupt batch in slot {} generation {}: checksum {found:08x}, the feeder wrote {:08x}",
+            at.slot, at.generation, meta.checksum
+        ));
+    }
+    let sum = tokens.iter().map(|&t| u64::from(t)).sum::<u64>()
+        + lengths.iter().map(|&l| u64::from(l)).sum::<u64>()
+        + masks.iter().map(|&m| u64::from(m)).sum::<u64>();
+    Ok((tokens.len(), sum))
+}
+
 /// Checks the slot's generation and sums every real token where it lies (padded layout), with a
 /// wrapping 32-bit sum: one pass over the tokens at memory speed, as a copy to the device would be.
 fn read_in_place(ring: &Ring, at: SlotRef) -> Result<(usize, u64), String> {
@@ -315,8 +372,11 @@ fn read_in_place(ring: &Ring, at: SlotRef) -> Result<(usize, u64), String> {
 // ---------------------------------------------------------------------------------------------
 // Feeder side.
 
-/// A batch as the feeder's source holds it.
+/// A batch: the store samples it is made of, and the same batch gathered into memory beforehand
+/// for the idealised variants and the memcpy yardstick.
 struct Batch {
+    /// Store indices of its samples, in batch order (what `EpochPlan::batch_samples` gives).
+    samples: Vec<u32>,
     lengths: Vec<u32>,
     /// Real tokens, sample after sample (what `Tokens::sample` gathers).
     real: Vec<u32>,
@@ -331,6 +391,15 @@ struct ShmFile(PathBuf);
 impl Drop for ShmFile {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// Removes the store's temporary directory however the feeder ends.
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
     }
 }
 
@@ -350,6 +419,8 @@ struct Shape {
     rows: usize,
     max_len: usize,
     tokens_offset: usize,
+    /// The run's token budget: the input slot is sized for it.
+    budget: u64,
 }
 
 impl Shape {
@@ -368,45 +439,103 @@ fn splitmix(state: &mut u64) -> u64 {
     z ^ (z >> 31)
 }
 
-fn make_sources(shape: &Shape, min_len: usize, count: usize) -> Vec<Batch> {
+/// Writes a store of `count` x `rows` samples into `dir` with `StoreWriter` (as `prepare` does),
+/// the samples of each batch scattered through it; opens it as `launch --data` does and gathers
+/// every batch from it into memory.
+fn make_store(
+    dir: &Path,
+    shape: &Shape,
+    min_len: usize,
+    count: usize,
+) -> Result<(Store, Vec<Batch>), String> {
     let mut state = 0x5EED_u64;
-    (0..count)
-        .map(|_| {
-            let lengths: Vec<u32> = (0..shape.rows)
-                .map(|_| {
-                    let span = (shape.max_len - min_len + 1) as u64;
-                    (min_len as u64 + splitmix(&mut state) % span) as u32
-                })
+    let n = count * shape.rows;
+    // Batch b's samples: order[b * rows..(b + 1) * rows], a shuffle of the store (Fisher-Yates).
+    let mut order: Vec<u32> = (0..n as u32).collect();
+    for i in (1..n).rev() {
+        order.swap(i, (splitmix(&mut state) % (i as u64 + 1)) as usize);
+    }
+    let path = dir.join("store");
+    let store_error = |e: dflash_orch::store::StoreError| e.to_string();
+    let mut writer = StoreWriter::create(&path, false).map_err(store_error)?;
+    for _ in 0..n {
+        let span = (shape.max_len - min_len + 1) as u64;
+        let len = min_len + (splitmix(&mut state) % span) as usize;
+        let tokens: Vec<u32> = (0..len)
+            .map(|_| (splitmix(&mut state) % 151_936) as u32)
+            .collect();
+        // A prompt without loss, then the answer's tokens with it.
+        let prompt = (splitmix(&mut state) % (len as u64 / 4 + 1)) as usize;
+        let mask: Vec<u8> = (0..len).map(|p| u8::from(p >= prompt)).collect();
+        writer.push(&tokens, &mask).map_err(store_error)?;
+    }
+    writer
+        .finish(StoreMeta {
+            format: FORMAT.to_owned(),
+            version: VERSION,
+            samples: 0,
+            tokens: 0,
+            loss_tokens: 0,
+            vocab_size: Some(151_936),
+            max_len: shape.max_len as u32,
+            on_overlong: "skip".to_owned(),
+            min_loss_tokens: 0,
+            truncated: 0,
+            skipped: BTreeMap::new(),
+            skipped_examples: Vec::new(),
+            sources: Vec::new(),
+            files: BTreeMap::new(),
+            created_by: "ring_bench".to_owned(),
+        })
+        .map_err(store_error)?;
+    let store = Store::open(&path).map_err(store_error)?;
+    store.verify().map_err(store_error)?;
+    let batches = order
+        .chunks_exact(shape.rows)
+        .map(|samples| {
+            let lengths: Vec<u32> = samples
+                .iter()
+                .map(|&s| store.index()[s as usize].len)
                 .collect();
             let mut real = Vec::new();
             let mut padded = vec![0u32; shape.rows * shape.max_len];
-            for (row, &len) in lengths.iter().enumerate() {
-                for p in 0..len as usize {
-                    let t = (splitmix(&mut state) % 151_936) as u32;
-                    real.push(t);
-                    padded[row * shape.max_len + p] = t;
-                }
+            for (row, &s) in samples.iter().enumerate() {
+                let tokens = store.tokens(s as usize);
+                real.extend_from_slice(tokens);
+                padded[row * shape.max_len..][..tokens.len()].copy_from_slice(tokens);
             }
             let checksum = token_checksum(&real);
             Batch {
+                samples: samples.to_vec(),
                 lengths,
                 real,
                 padded,
                 checksum,
             }
         })
-        .collect()
+        .collect();
+    Ok((store, batches))
 }
 
-/// Writes `batch` into a slot's data the chosen way; returns its meta.
+/// Where the shipping path reads its batches: the open store, and every sample's length as the
+/// planner holds them (`Planner::lengths`, from `Store::lengths`).
+struct Source<'a> {
+    store: &'a Store,
+    lengths: &'a [u32],
+}
+
+/// Writes `batch` into a slot's data the chosen way; returns its meta and, for the shipping path,
+/// the time spent gathering it from the store.
 fn write_slot(
     data: &mut [u8],
     batch: &Batch,
     shape: &Shape,
+    source: &Source,
     writer: Writer,
     scratch: &mut Vec<u32>,
-) -> SlotMeta {
+) -> (SlotMeta, Duration) {
     let checksum = match writer {
+        Writer::Shipping => return ship(data, batch, shape, source, scratch),
         Writer::Copy => {
             copy_rows(data, batch, shape);
             batch.checksum
@@ -416,9 +545,8 @@ fn write_slot(
             copy_rows(data, batch, shape);
             checksum
         }
-        Writer::WriteBatch => write_batch_path(data, batch, shape, scratch),
     };
-    SlotMeta {
+    let meta = SlotMeta {
         layout: Layout::Padded as u32,
         count: shape.rows as u32,
         max_len: shape.max_len as u32,
@@ -426,9 +554,9 @@ fn write_slot(
         tokens_offset: shape.tokens_offset as u32,
         checksum,
         // The copy variants leave the masks out: they measure the token handoff alone.
-        masks_offset: dflash_common::ring::masks_offset((shape.tokens_offset / 4 - 1) as u64)
-            as u32,
-    }
+        masks_offset: dflash_common::ring::masks_offset(shape.budget) as u32,
+    };
+    (meta, Duration::ZERO)
 }
 
 /// Lengths, then each row's real tokens with one `copy_from_slice` and its padding zeroed.
@@ -445,26 +573,42 @@ fn copy_rows(data: &mut [u8], batch: &Batch, shape: &Shape) {
     }
 }
 
-/// The orchestrator's path: `dflash_common::ring::write_batch` (what `Run::write_batch` calls),
-/// with the samples gathered from memory as a store's are.
-fn write_batch_path(data: &mut [u8], batch: &Batch, shape: &Shape, scratch: &mut Vec<u32>) -> u32 {
+/// The shipping path: `Run::write_batch` with `Run::gather` and `Tokens::sample` for a store, as
+/// they are in `orchestrator/src/runtime/mod.rs` (the per-batch `masks` and `lengths` vectors
+/// included); `Ring::publish` follows in the caller, as in `Run::write_batch`.
+fn ship(
+    data: &mut [u8],
+    batch: &Batch,
+    shape: &Shape,
+    source: &Source,
+    scratch: &mut Vec<u32>,
+) -> (SlotMeta, Duration) {
+    let started = Instant::now();
     let mut tokens = std::mem::take(scratch);
+    let mut masks = Vec::with_capacity(tokens.capacity());
+    // Run::gather
     tokens.clear();
-    tokens.extend_from_slice(&batch.real);
-    let budget = (shape.tokens_offset / 4 - 1) as u64;
-    // Every real token carries loss here; the masks are written like any batch's.
-    let masks = vec![1u8; tokens.len()];
+    masks.clear();
+    let mut lengths = Vec::with_capacity(batch.samples.len());
+    for &s in &batch.samples {
+        let len = source.lengths[s as usize];
+        // Tokens::sample, Tokens::Store
+        tokens.extend_from_slice(&source.store.tokens(s as usize)[..len as usize]);
+        masks.extend_from_slice(&source.store.loss_mask(s as usize)[..len as usize]);
+        lengths.push(len);
+    }
+    let gathered = started.elapsed();
     let meta = write_batch(
         data,
         Layout::Padded,
-        &batch.lengths,
+        &lengths,
         &tokens,
         &masks,
         shape.max_len as u32,
-        budget,
+        shape.budget,
     );
     *scratch = tokens;
-    meta.checksum
+    (meta, gathered)
 }
 
 /// The plain-memcpy yardstick: the batch's lengths and padded tokens copied with
@@ -489,6 +633,8 @@ struct Handoff {
     wall: Duration,
     /// Writing slots and publishing them.
     write: Duration,
+    /// Of `write`: gathering from the store (shipping path only).
+    gather: Duration,
     /// Sending descriptors.
     send: Duration,
 }
@@ -499,6 +645,7 @@ struct Feeder<'a> {
     jobs: IpcSender<Job>,
     events: IpcReceiver<Event>,
     sources: &'a [Batch],
+    source: Source<'a>,
     shape: Shape,
     scratch: Vec<u32>,
     sequence: u64,
@@ -529,10 +676,11 @@ impl Feeder<'_> {
                 free.pop();
                 let t0 = Instant::now();
                 let batch = &self.sources[(self.sequence as usize) % self.sources.len()];
-                let meta = write_slot(
+                let (meta, gathered) = write_slot(
                     self.ring.data_mut(slot),
                     batch,
                     &self.shape,
+                    &self.source,
                     writer,
                     &mut self.scratch,
                 );
@@ -556,6 +704,7 @@ impl Feeder<'_> {
                     .send(job)
                     .map_err(|e| format!("lost the consumer: {e}"))?;
                 stats.write += t1 - t0;
+                stats.gather += gathered;
                 stats.send += t1.elapsed();
                 self.sequence += 1;
                 sent += 1;
@@ -662,6 +811,28 @@ fn start_consumer(ring: &Path) -> Result<Connection, String> {
     Ok((child, hello.jobs, hello.events))
 }
 
+/// Checks that the shipping path and the idealised copy put the same lengths and padded tokens
+/// into a slot, with the same checksum, for every batch: both rows measure the same input.
+fn same_input(
+    sources: &[Batch],
+    shape: &Shape,
+    source: &Source,
+    slot_data: usize,
+) -> Result<(), String> {
+    let end = shape.tokens_offset + 4 * shape.rows * shape.max_len;
+    let (mut shipped, mut copied) = (vec![0u8; slot_data], vec![0u8; slot_data]);
+    for (i, batch) in sources.iter().enumerate() {
+        let (meta, _) = ship(&mut shipped, batch, shape, source, &mut Vec::new());
+        copy_rows(&mut copied, batch, shape);
+        if shipped[..end] != copied[..end] || meta.checksum != batch.checksum {
+            return Err(format!(
+                "batch {i}: the shipping path and the idealised copy wrote different batches"
+            ));
+        }
+    }
+    Ok(())
+}
+
 fn feeder(args: &Args) -> Result<(), String> {
     if cfg!(target_endian = "big") {
         return Err("the ring layout is little-endian; this bench copies native words".into());
@@ -675,7 +846,8 @@ fn feeder(args: &Args) -> Result<(), String> {
     let shape = Shape {
         rows,
         max_len,
-        tokens_offset: 4 * (budget as usize + 1),
+        tokens_offset: dflash_common::ring::tokens_offset(budget),
+        budget,
     };
     let name = args
         .shm_name
@@ -689,7 +861,15 @@ fn feeder(args: &Args) -> Result<(), String> {
     let ring = Ring::create(&path, args.slots.max(1), 64 + input_data_bytes(budget))
         .map_err(|e| e.to_string())?;
     let _shm = ShmFile(path.clone());
-    let sources = make_sources(&shape, min_len, args.sources.max(1));
+    let store_dir =
+        TempDir(std::env::temp_dir().join(format!("dflash-bench-store-{}", std::process::id())));
+    let (store, sources) = make_store(&store_dir.0, &shape, min_len, args.sources.max(1))?;
+    let lengths = store.lengths();
+    let source = Source {
+        store: &store,
+        lengths: &lengths,
+    };
+    same_input(&sources, &shape, &source, ring.data_bytes())?;
     let (mut consumer, jobs, events) = start_consumer(&path)?;
     let slot_data = ring.data_bytes();
     let mut feeder = Feeder {
@@ -698,6 +878,7 @@ fn feeder(args: &Args) -> Result<(), String> {
         jobs,
         events,
         sources: &sources,
+        source,
         shape,
         scratch: Vec::new(),
         sequence: 0,
@@ -705,12 +886,15 @@ fn feeder(args: &Args) -> Result<(), String> {
     let batch_bytes = feeder.shape.batch_bytes() as f64;
     let real_tokens: usize = sources.iter().map(|b| b.real.len()).sum::<usize>() / sources.len();
     println!(
-        "ring_bench: {} slots of {slot_data} data bytes in {}; batches of {rows} x {max_len} \
-         tokens ({:.1} KiB written per batch, {real_tokens} real tokens on average); consumer \
-         pid {}",
+        "ring_bench: {} slots of {slot_data} data bytes in {}; {} batches of {rows} x {max_len} \
+         tokens ({:.1} KiB of lengths and padded tokens per batch, {real_tokens} real tokens on \
+         average) from a store of {} samples in {}; consumer pid {}",
         feeder.ring.slot_count(),
         path.display(),
+        sources.len(),
         batch_bytes / 1024.0,
+        store.len(),
+        store.path().display(),
         consumer.0.as_ref().map_or(0, Child::id),
     );
 
@@ -735,7 +919,9 @@ fn feeder(args: &Args) -> Result<(), String> {
     for v in &VARIANTS {
         print!("  {:>28}", v.name);
     }
-    println!();
+    println!("  {:>10}", "ship/ideal");
+    // Shipping over idealised, round by round: the two runs are adjacent in time.
+    let mut shipping_over_idealised = Vec::new();
     for round in 0..args.rounds.max(1) {
         print!("{:>5}", round + 1);
         for (v, variant) in VARIANTS.iter().enumerate() {
@@ -748,7 +934,9 @@ fn feeder(args: &Args) -> Result<(), String> {
             stats[v].push(h);
             print!("  {:>28}", format!("{hg:.2} / {mg:.2}"));
         }
-        println!();
+        let ratio = handoff_gbs[SHIPPING][round] / handoff_gbs[IDEALISED][round];
+        shipping_over_idealised.push(ratio);
+        println!("  {ratio:>10.2}");
     }
 
     // Context only: the same memcpy with destinations cycling through more memory than the
@@ -796,8 +984,17 @@ fn feeder(args: &Args) -> Result<(), String> {
         args.rounds.max(1)
     );
     println!(
-        "  {:<30} {:>8} {:>8} {:>8} {:>9} {:>8} {:>8} {:>8} {:>9}",
-        "variant", "batches", "GB/s", "memcpy", "x memcpy", "us/batch", "write", "send", "consumer"
+        "  {:<30} {:>8} {:>8} {:>8} {:>9} {:>8} {:>8} {:>8} {:>8} {:>9}",
+        "variant",
+        "batches",
+        "GB/s",
+        "memcpy",
+        "x memcpy",
+        "us/batch",
+        "write",
+        "gather",
+        "send",
+        "consumer"
     );
     let mut variants = Vec::new();
     for (v, variant) in VARIANTS.iter().enumerate() {
@@ -809,6 +1006,7 @@ fn feeder(args: &Args) -> Result<(), String> {
         };
         let batches: u64 = stats[v].iter().map(|h| h.batches).sum();
         let (wall_us, write_us, send_us) = (per(|h| h.wall), per(|h| h.write), per(|h| h.send));
+        let gather_us = per(|h| h.gather);
         let read_us = consumer_stats["phases"][phase(v).to_string()]["read_us_per_batch"]
             .as_f64()
             .unwrap_or(f64::NAN);
@@ -818,8 +1016,8 @@ fn feeder(args: &Args) -> Result<(), String> {
             median(&ratios[v]),
         );
         println!(
-            "  {:<30} {:>8} {:>8.2} {:>8.2} {:>9.2} {:>8.1} {:>8.1} {:>8.1} {:>9.1}",
-            variant.name, batches, hg, mg, ratio, wall_us, write_us, send_us, read_us
+            "  {:<30} {:>8} {:>8.2} {:>8.2} {:>9.2} {:>8.1} {:>8.1} {:>8.1} {:>8.1} {:>9.1}",
+            variant.name, batches, hg, mg, ratio, wall_us, write_us, gather_us, send_us, read_us
         );
         variants.push(json!({
             "name": variant.name,
@@ -831,14 +1029,23 @@ fn feeder(args: &Args) -> Result<(), String> {
             "memcpy_gbs_rounds": memcpy_gbs[v],
             "us_per_batch": wall_us,
             "write_us_per_batch": write_us,
+            "gather_us_per_batch": gather_us,
             "send_us_per_batch": send_us,
             "consumer_read_us_per_batch": read_us,
         }));
     }
     println!(
-        "  (us per batch, feeder: wall, write = write + publish the slot, send = Job::Forward;"
+        "  (us per batch, feeder: wall, write = write + publish the slot, of which gather = from \
+         the store, send = Job::Forward;"
     );
-    println!("   consumer = check + read every real token, between its recv and its ack)");
+    println!("   consumer = check + read, between its recv and its ack)");
+    let ship_ideal = median(&shipping_over_idealised);
+    println!(
+        "  shipping path / idealised copy: {ship_ideal:.2} (median of the per-round ratios; \
+         GB/s {:.2} vs {:.2})",
+        median(&handoff_gbs[SHIPPING]),
+        median(&handoff_gbs[IDEALISED])
+    );
     println!(
         "  context: the same memcpy into buffers cycling through {} MiB (past the caches): \
          {cold_gbs:.2} GB/s",
@@ -864,7 +1071,11 @@ fn feeder(args: &Args) -> Result<(), String> {
             "batch_bytes": batch_bytes,
             "rounds": args.rounds.max(1),
             "seconds": args.seconds,
+            "sources": sources.len(),
+            "store_samples": store.len(),
             "variants": variants,
+            "shipping_over_idealised": ship_ideal,
+            "shipping_over_idealised_rounds": shipping_over_idealised,
             "memcpy_cold_gbs": cold_gbs,
             "rtt_us": {"median": rtt_median, "p99": rtt_p99, "min": rtt_min, "n": rtt.len()},
             "consumer": consumer_stats,
