@@ -19,7 +19,6 @@ use dflash_common::ring::{self, Ring};
 use dflash_orch::cli::Command;
 use dflash_orch::commands::launch::{self, LaunchArgs};
 use dflash_orch::commands::plan::{self, PlanArgs};
-use dflash_orch::ingest::Format;
 use dflash_orch::ingest::chat::{Template, parse_conversation};
 use dflash_orch::ingest::jsonl::parse_pretokenized;
 use dflash_orch::planner::{BucketSpec, Interleave, Mode, OverlongPolicy, Planner};
@@ -313,10 +312,10 @@ pub fn options(data: &[u8]) {
         }
         Command::Plan(args) => plan_options(&args),
         Command::Prepare(args) => {
-            if let Some(format) = &args.format {
-                let _ = shown(format.parse::<Format>());
-            }
-            let _ = shown(args.chat_template.parse::<Template>());
+            let _ = shown(dflash_orch::commands::prepare::check_args(&args));
+        }
+        Command::Demo(args) => {
+            let _ = shown(dflash_orch::commands::demo::check_args(&args));
         }
         _ => {}
     }
@@ -433,6 +432,15 @@ fn check_run(config: &RunConfig) {
     }
     if !checked {
         return;
+    }
+    // The rings' sizes, in checked arithmetic, for any number of targets the topology allows.
+    for targets in [1, 7, 255] {
+        let width = config.dflash.as_ref().map(|_| 5 * 4096);
+        let _ = shown(dflash_orch::runtime::launch_plan::ring_bytes(
+            targets,
+            config.planner.token_budget,
+            width,
+        ));
     }
     // The supervisor, the stop and the monitor turn these seconds into `Duration`s (which panics
     // on a negative, non-finite or huge number).

@@ -135,7 +135,7 @@ fn run_dir_action(dir: &Path, found: RunDirFound, force: bool) -> Result<RunDirA
 }
 
 /// Refuses arguments the demo cannot run with, before anything on disk is touched.
-fn check_args(args: &DemoArgs) -> Result<(), CliError> {
+pub fn check_args(args: &DemoArgs) -> Result<(), CliError> {
     if args.samples < 50 || args.epochs == 0 {
         return Err(CliError::Invalid(
             "--samples must be at least 50 and --epochs at least 1".into(),

@@ -325,6 +325,17 @@ fn options(args: &PrepareArgs, tokenizer_vocab: Option<u32>) -> Result<Options, 
     })
 }
 
+/// Checks the options that need no input file (no side effect).
+pub fn check_args(args: &PrepareArgs) -> Result<(), CliError> {
+    if let Some(format) = args.format.as_deref() {
+        format.parse::<Format>().map_err(CliError::Invalid)?;
+    }
+    args.chat_template
+        .parse::<Template>()
+        .map_err(CliError::Invalid)?;
+    options(args, None).map(drop)
+}
+
 pub fn run(args: PrepareArgs) -> Result<(), CliError> {
     let forced = args
         .format

@@ -240,6 +240,12 @@ impl Drop for Guard {
     }
 }
 
+/// Bytes of `/dev/shm` the rings of a run need: `targets` target workers, batches of at most
+/// `budget` tokens, `feature_width` values per token (`None`: the synthetic stage).
+pub fn ring_bytes(targets: u32, budget: u64, feature_width: Option<u64>) -> Result<u64, RunError> {
+    RingPlan::new(targets, budget, feature_width).map(|r| r.total)
+}
+
 /// Sizes of the two rings.
 #[derive(Debug, Clone, Copy)]
 struct RingPlan {
