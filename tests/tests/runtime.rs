@@ -304,7 +304,8 @@ fn status_reports_every_worker_and_refuses_strangers() {
         2,
         "not owner-only",
     );
-    // Another uid reaching the socket is refused by the server.
+    // Another uid's `status` is refused: here by the socket's permissions, before the server sees
+    // it (tests/control_peer.rs reaches the server's own peer-credential check).
     fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755)).unwrap();
     let stranger = Command::new(bin("dflash-orch"))
         .args([
