@@ -90,8 +90,11 @@ type Apply = fn(&mut RunConfig, &RunConfig);
 /// synthetic stage's speed.
 const CHANGEABLE: &[(&str, Apply)] = &[
     ("gpus", |run, session| {
-        run.gpus.clone_from(&session.gpus);
-        run.topology.clone_from(&session.topology);
+        // Other workers: the topology is the one given with them (or their default).
+        if run.gpus != session.gpus {
+            run.gpus.clone_from(&session.gpus);
+            run.topology.clone_from(&session.topology);
+        }
     }),
     ("topology", |run, session| {
         run.topology.clone_from(&session.topology)
@@ -326,5 +329,15 @@ mod tests {
             ["gpus", "max-restarts"],
             "job-timeout was given with the run's value: no change"
         );
+    }
+
+    #[test]
+    fn the_same_gpus_given_again_keep_the_runs_topology() {
+        let stored = config();
+        let mut session = config();
+        session.topology = None;
+        let (merged, changes) = merge(stored, &given(&["gpus"], &session), &session).unwrap();
+        assert_eq!(merged.topology.as_deref(), Some("2:1"));
+        assert!(changes.is_empty());
     }
 }
