@@ -200,13 +200,8 @@ fn drafter_sigkill_mid_run_ends_with_identical_weights() {
 
 #[test]
 fn orchestrator_sigkill_then_resume_ends_with_identical_weights() {
-    let dir = tempfile::tempdir().unwrap();
-    let target = tiny_target(dir.path());
+    let (_dir, target, run_dir) = killed_between_checkpoints();
     let want = reference(&target);
-    let run_dir = dir.path().join("run");
-    let mut child = launch(&run_dir, &target).spawn().unwrap();
-    wait_between_checkpoints(&run_dir);
-    kill_and_wait(&mut child);
     finish(resume(&run_dir));
     assert_eq!(journal_events(&run_dir, "resume").len(), 1);
     assert!(
@@ -582,13 +577,8 @@ fn a_full_disk_while_checkpointing_keeps_the_previous_checkpoint() {
 /// between checkpoints, resumed on two (one target), ends with the undisturbed run's weights.
 #[test]
 fn a_resume_on_fewer_targets_ends_with_identical_weights() {
-    let dir = tempfile::tempdir().unwrap();
-    let target = tiny_target(dir.path());
+    let (_dir, target, run_dir) = killed_between_checkpoints();
     let want = reference(&target);
-    let run_dir = dir.path().join("run");
-    let mut child = launch(&run_dir, &target).spawn().unwrap();
-    wait_between_checkpoints(&run_dir);
-    kill_and_wait(&mut child);
     let out = Command::new(bin("dflash-orch"))
         .args(["launch", "--resume", "--gpus", "cpu:2", "--run-dir"])
         .arg(&run_dir)
