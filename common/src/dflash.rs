@@ -192,9 +192,9 @@ pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, ModelDirError> {
         .collect()
 }
 
-/// Reads the tensor table (name -> shape) of a safetensors file without reading its data, and
-/// checks that the data the table describes is all there.
-pub fn tensor_shapes(path: &Path) -> Result<BTreeMap<String, Vec<usize>>, ModelDirError> {
+/// The JSON header of a safetensors file (its tensor table) and the file's size, without reading
+/// the data.
+pub fn safetensors_header(path: &Path) -> Result<(Vec<u8>, u64), ModelDirError> {
     let mut file =
         std::fs::File::open(path).map_err(|e| invalid(path, format!("cannot open: {e}")))?;
     let size = file.metadata().map(|m| m.len()).unwrap_or(0);
@@ -211,6 +211,14 @@ pub fn tensor_shapes(path: &Path) -> Result<BTreeMap<String, Vec<usize>>, ModelD
     let mut header = vec![0u8; n as usize];
     file.read_exact(&mut header)
         .map_err(|e| invalid(path, format!("cannot read the header: {e}")))?;
+    Ok((header, size))
+}
+
+/// Reads the tensor table (name -> shape) of a safetensors file without reading its data, and
+/// checks that the data the table describes is all there.
+pub fn tensor_shapes(path: &Path) -> Result<BTreeMap<String, Vec<usize>>, ModelDirError> {
+    let (header, size) = safetensors_header(path)?;
+    let n = header.len() as u64;
     #[derive(Deserialize)]
     struct Entry {
         dtype: String,

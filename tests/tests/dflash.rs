@@ -151,11 +151,12 @@ fn wait_between_checkpoints(run_dir: &Path) {
     );
 }
 
-/// `launch --resume` of the run in `run_dir`, in the background.
-fn resume(run_dir: &Path) -> Child {
+/// `launch --resume` of the run in `run_dir` with `extra` options, in the background.
+fn resume(run_dir: &Path, extra: &[&str]) -> Child {
     Command::new(bin("dflash-orch"))
         .args(["launch", "--resume", "--run-dir"])
         .arg(run_dir)
+        .args(extra)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -202,7 +203,7 @@ fn drafter_sigkill_mid_run_ends_with_identical_weights() {
 fn orchestrator_sigkill_then_resume_ends_with_identical_weights() {
     let (_dir, target, run_dir) = killed_between_checkpoints();
     let want = reference(&target);
-    finish(resume(&run_dir));
+    finish(resume(&run_dir, &[]));
     assert_eq!(journal_events(&run_dir, "resume").len(), 1);
     assert!(
         !journal_events(&run_dir, "rewind").is_empty(),
@@ -269,7 +270,7 @@ fn resume_an_edited_copy(drop_commits: usize, older_checkpoint: bool) {
         fs::write(checkpoints.join("latest"), format!("step-{}", steps[0])).unwrap();
         fs::remove_dir_all(checkpoints.join(format!("step-{}", steps[1]))).unwrap();
     }
-    let out = finish(resume(&run_dir));
+    let out = finish(resume(&run_dir, &[]));
     assert_eq!(
         journal_events(&run_dir, "end").last().unwrap()["status"],
         "completed"
@@ -516,7 +517,7 @@ fn sigint_checkpoints_where_the_drafter_stands_and_the_resume_matches() {
         !step.is_multiple_of(4) || effective_commits(&run_dir).len() as u64 == 2 * step,
         "step {step}"
     );
-    finish(resume(&run_dir));
+    finish(resume(&run_dir, &[]));
     assert_eq!(effective_commits(&run_dir), want.commits);
     assert!(
         final_weights(&run_dir) == want.weights,
@@ -579,17 +580,7 @@ fn a_full_disk_while_checkpointing_keeps_the_previous_checkpoint() {
 fn a_resume_on_fewer_targets_ends_with_identical_weights() {
     let (_dir, target, run_dir) = killed_between_checkpoints();
     let want = reference(&target);
-    let out = Command::new(bin("dflash-orch"))
-        .args(["launch", "--resume", "--gpus", "cpu:2", "--run-dir"])
-        .arg(&run_dir)
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    finish(resume(&run_dir, &["--gpus", "cpu:2"]));
     let resumed = journal_events(&run_dir, "resume");
     assert_eq!(resumed[0]["changes"]["gpus"], "cpu:2", "{resumed:?}");
     // One target and the drafter this time.
@@ -635,12 +626,7 @@ fn a_checkpoint_of_another_run_is_refused_naming_what_differs() {
     lines[0] = run.to_string();
     fs::write(&journal, lines.join("\n") + "\n").unwrap();
     let weights_before = final_weights(&run_dir);
-    let out = Command::new(bin("dflash-orch"))
-        .args(["launch", "--resume", "--run-dir"])
-        .arg(&run_dir)
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
+    let out = resume(&run_dir, &[]).wait_with_output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("belongs to another run"), "{stderr}");

@@ -33,7 +33,6 @@ pub struct Monitor {
     watch: Watch,
     system: Option<sysinfo::System>,
     interval: Duration,
-    next: Instant,
     failing: BTreeMap<u32, String>,
     /// CPU time (ms) of each worker process at the previous tick.
     cpu_before: BTreeMap<u32, (Instant, u64)>,
@@ -65,7 +64,6 @@ impl Monitor {
             ),
             system: sysinfo::System::new().ok(),
             interval,
-            next: Instant::now(),
             failing: BTreeMap::new(),
             cpu_before: BTreeMap::new(),
             gpus: BTreeMap::new(),
@@ -73,14 +71,9 @@ impl Monitor {
         }
     }
 
-    pub fn due(&self) -> bool {
-        Instant::now() >= self.next
-    }
-
     /// Reads the GPUs `gpus` (index and the worker it serves) and the worker processes `workers`
     /// (worker id, role, pid).
     pub fn tick(&mut self, gpus: &[(u32, GpuOwner)], workers: &[(u32, &'static str, u32)]) -> Tick {
-        self.next = Instant::now() + self.interval;
         let mut tick = Tick::default();
         if let Some(source) = self.source.as_mut() {
             for (gpu, owner) in gpus {

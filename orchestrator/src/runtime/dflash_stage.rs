@@ -111,29 +111,12 @@ fn digest<'a>(parts: impl IntoIterator<Item = &'a [u8]>) -> String {
 }
 
 /// The target's identity: its config.json and the header (names, dtypes, shapes, offsets) of
-/// every safetensors file, not the gigabytes of weights.
+/// each of its weight files, not the gigabytes of weights.
 fn target_identity(dir: &Path) -> Result<String, String> {
-    let read = |p: &Path| std::fs::read(p).map_err(|e| format!("{}: {e}", p.display()));
-    let mut parts = vec![read(&dir.join("config.json"))?];
-    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-        .map_err(|e| format!("{}: {e}", dir.display()))?
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
-        .collect();
-    files.sort();
-    for file in files {
-        use std::io::Read;
-        let mut f = std::fs::File::open(&file).map_err(|e| format!("{}: {e}", file.display()))?;
-        let mut len = [0u8; 8];
-        f.read_exact(&mut len)
-            .map_err(|e| format!("{}: {e}", file.display()))?;
-        // Checked at launch to be a sane header; bounded again here.
-        let n = u64::from_le_bytes(len).min(100 << 20);
-        let mut header = Vec::new();
-        f.take(n)
-            .read_to_end(&mut header)
-            .map_err(|e| format!("{}: {e}", file.display()))?;
+    let config = dir.join("config.json");
+    let mut parts = vec![std::fs::read(&config).map_err(|e| format!("{}: {e}", config.display()))?];
+    for file in dflash::weight_files(dir).map_err(|e| e.to_string())? {
+        let (header, _) = dflash::safetensors_header(&file).map_err(|e| e.to_string())?;
         parts.push(
             file.file_name()
                 .unwrap_or_default()
@@ -148,7 +131,6 @@ fn target_identity(dir: &Path) -> Result<String, String> {
 /// The run fingerprint: a hash of each thing that decides the trained weights.
 pub(super) fn fingerprint(
     settings: &DflashSettings,
-    _target: &Qwen3Config,
     data: &Option<PathBuf>,
     synthetic: Option<(usize, u64)>,
     planner: &super::PlannerSettings,

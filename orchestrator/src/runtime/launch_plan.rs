@@ -9,7 +9,6 @@ use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use dflash_common::dflash::Qwen3Config;
 use dflash_common::ring::{MAX_TOKEN_BUDGET, Ring, feature_data_bytes, input_data_bytes};
 use dflash_common::run_dir;
 use dflash_common::wire::Role;
@@ -46,13 +45,7 @@ pub fn lock_run_dir(dir: &Path) -> Result<RunLock, RunError> {
     let mut holder = String::new();
     let _ = file.read_to_string(&mut holder);
     let mut lock = nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock)
-        .map_err(|_| {
-            RunError::Invalid(format!(
-                "run dir {} holds a live run (orchestrator pid {}); stop it first or use another --run-dir",
-                dir.display(),
-                holder.trim()
-            ))
-        })?;
+        .map_err(|_| live_run(dir, &holder))?;
     let _ = lock.set_len(0);
     let _ = lock.rewind();
     let _ = write!(lock, "{}", std::process::id());
@@ -134,12 +127,17 @@ pub fn check_not_live(dir: &Path) -> Result<(), RunError> {
     let holder = std::fs::read_to_string(&path).unwrap_or_default();
     match nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockSharedNonblock) {
         Ok(_released_on_drop) => Ok(()),
-        Err(_) => Err(RunError::Invalid(format!(
-            "run dir {} holds a live run (orchestrator pid {}); stop it first or use another --run-dir",
-            dir.display(),
-            holder.trim()
-        ))),
+        Err(_) => Err(live_run(dir, &holder)),
     }
+}
+
+/// The run directory's lock is held by `holder` (its pid, as the lock file says).
+fn live_run(dir: &Path, holder: &str) -> RunError {
+    RunError::Invalid(format!(
+        "run dir {} holds a live run (orchestrator pid {}); stop it first or use another --run-dir",
+        dir.display(),
+        holder.trim()
+    ))
 }
 
 /// A journal without its run line: a launch that died before its run started (not a run).
@@ -426,7 +424,6 @@ pub fn launch(
     let planner =
         Planner::new(lengths, plan_config).map_err(|e| RunError::Invalid(e.to_string()))?;
     let mut feature_width = None;
-    let mut target: Option<Qwen3Config> = None;
     if let Some(settings) = config.dflash.as_mut() {
         let checked = dflash_stage::check(settings, &mut tokens, &devices, &binary)?;
         if settings.total_steps == 0 {
@@ -439,12 +436,8 @@ pub fn launch(
             .unwrap_or_else(|_| run_dir_path.to_path_buf())
             .join("checkpoints");
         feature_width = Some(settings.feature_width(&checked));
-        target = Some(checked);
-    }
-    if let (Some(settings), Some(target)) = (config.dflash.as_mut(), &target) {
         settings.fingerprint = dflash_stage::fingerprint(
             settings,
-            target,
             &config.data,
             config.synthetic.map(|n| (n, config.synthetic_seed)),
             &config.planner,
