@@ -36,12 +36,67 @@ pub struct DflashSettings {
     /// The largest batch in tokens (sizes the feature slots).
     pub token_budget: u64,
     pub checkpoint_dir: PathBuf,
+    /// The target's weights and activations (and the drafter's compute; its master weights and
+    /// AdamW moments stay f32).
+    #[serde(default)]
+    pub dtype: Precision,
+    /// The features' element type in the feature ring.
+    #[serde(default)]
+    pub feature_dtype: Precision,
+    /// Anchors of a sequence whose blocks are computed (and back-propagated) together; the
+    /// gradients of the chunks are summed. None: all anchors at once.
+    #[serde(default)]
+    pub anchor_chunk: Option<usize>,
     /// The run fingerprint: for each thing that decides the trained weights (`target`, `data`,
     /// `planner`, `seed`, `optimiser`, `drafter`, `loss`, `epochs`), a hex hash of it. Written into
     /// every checkpoint's `state.json`; a drafter refuses a checkpoint whose fingerprint differs,
     /// naming the fields that differ.
     #[serde(default)]
     pub fingerprint: BTreeMap<String, String>,
+}
+
+/// An element type of weights, activations or features.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    #[default]
+    F32,
+    Bf16,
+}
+
+impl Precision {
+    /// Bytes per element.
+    pub fn bytes(self) -> u64 {
+        match self {
+            Precision::F32 => 4,
+            Precision::Bf16 => 2,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::F32 => "f32",
+            Precision::Bf16 => "bf16",
+        }
+    }
+}
+
+impl std::fmt::Display for Precision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Precision {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "f32" => Ok(Precision::F32),
+            "bf16" => Ok(Precision::Bf16),
+            _ => Err(format!("{s:?} is not a dtype (expected f32 or bf16)")),
+        }
+    }
 }
 
 /// The fields of a run fingerprint that differ between `ours` and `theirs` (missing on either side
@@ -403,6 +458,9 @@ impl DflashSettings {
         if self.gamma.is_some_and(|g| !(g > 0.0 && g.is_finite())) {
             return Err("--gamma must be positive".into());
         }
+        if self.anchor_chunk == Some(0) {
+            return Err("--anchor-chunk must be at least 1".into());
+        }
         if self.save_every == 0 || self.keep_checkpoints == 0 {
             return Err("--save-every and --keep-checkpoints must be at least 1".into());
         }
@@ -412,6 +470,11 @@ impl DflashSettings {
     /// Width of a token's features: the hidden states of every target layer id, concatenated.
     pub fn feature_width(&self, target: &Qwen3Config) -> u64 {
         (self.target_layer_ids.len() * target.hidden_size) as u64
+    }
+
+    /// Bytes of a token's features in the feature ring.
+    pub fn feature_bytes_per_token(&self, target: &Qwen3Config) -> u64 {
+        self.feature_width(target) * self.feature_dtype.bytes()
     }
 
     /// Decoder layers a target worker runs (up to the last requested one).

@@ -214,9 +214,10 @@ pub fn features_offset(token_budget: u64) -> usize {
 /// offsets into the slot's tokens.
 pub const MAX_TOKEN_BUDGET: u64 = u32::MAX as u64;
 
-/// Data bytes of a feature slot: the batch (packed) and `width` f32 features per token.
-pub fn feature_data_bytes(token_budget: u64, width: u64) -> u64 {
-    features_offset(token_budget) as u64 + 4 * token_budget * width
+/// Data bytes of a feature slot: the batch (packed) and `bytes_per_token` bytes of features per
+/// token.
+pub fn feature_data_bytes(token_budget: u64, bytes_per_token: u64) -> u64 {
+    features_offset(token_budget) as u64 + token_budget * bytes_per_token
 }
 
 /// Data bytes a slot needs to hold a batch of at most `token_budget` tokens, with its per-sample

@@ -435,7 +435,10 @@ fn check_run(config: &RunConfig) {
     }
     // The rings' sizes, in checked arithmetic, for any number of targets the topology allows.
     for targets in [1, 7, 255] {
-        let width = config.dflash.as_ref().map(|_| 5 * 4096);
+        let width = config
+            .dflash
+            .as_ref()
+            .map(|d| 5 * 4096 * d.feature_dtype.bytes());
         let _ = shown(dflash_orch::runtime::launch_plan::ring_bytes(
             targets,
             config.planner.token_budget,

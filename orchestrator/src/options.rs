@@ -71,3 +71,53 @@ mod tests {
         }
     }
 }
+
+/// A dtype option: `auto` (bf16 on GPUs, f32 on CPUs) or a precision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DtypeChoice {
+    Auto,
+    Is(dflash_common::dflash::Precision),
+}
+
+impl DtypeChoice {
+    /// The precision for workers on GPUs (`gpu`) or on CPUs.
+    pub fn resolve(self, gpu: bool) -> dflash_common::dflash::Precision {
+        use dflash_common::dflash::Precision;
+        match self {
+            DtypeChoice::Is(p) => p,
+            DtypeChoice::Auto if gpu => Precision::Bf16,
+            DtypeChoice::Auto => Precision::F32,
+        }
+    }
+}
+
+/// `auto`, `f32` or `bf16`.
+pub fn dtype_choice() -> impl TypedValueParser<Value = DtypeChoice> {
+    clap::builder::StringValueParser::new().try_map(|s: String| match s.trim() {
+        "auto" => Ok(DtypeChoice::Auto),
+        other => other.parse().map(DtypeChoice::Is),
+    })
+}
+
+/// A count, or `auto`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CountOrAuto {
+    Auto,
+    Count(u64),
+}
+
+/// A count from `lo` to `hi`, or `auto`.
+pub fn count_or_auto(lo: u64, hi: u64) -> impl TypedValueParser<Value = CountOrAuto> {
+    clap::builder::StringValueParser::new().try_map(move |s: String| {
+        let s = s.trim();
+        if s == "auto" {
+            return Ok(CountOrAuto::Auto);
+        }
+        match s.parse::<u64>() {
+            Ok(v) if (lo..=hi).contains(&v) => Ok(CountOrAuto::Count(v)),
+            _ => Err(format!(
+                "{s:?} is not auto or a whole number from {lo} to {hi}"
+            )),
+        }
+    })
+}

@@ -16,7 +16,9 @@ use dflash_e2e::{
 use serde_json::Value;
 
 /// The run: small batches so that it has enough steps to be interrupted between checkpoints.
-const RUN_FLAGS: [&str; 30] = [
+/// The run of these tests; its drafter computes the 24 anchors of a sequence in chunks of 5, so
+/// exact replay is checked on the chunked path.
+const RUN_FLAGS: [&str; 32] = [
     "--gpus",
     "cpu:3",
     "--topology",
@@ -39,6 +41,8 @@ const RUN_FLAGS: [&str; 30] = [
     "1",
     "--num-anchors",
     "24",
+    "--anchor-chunk",
+    "5",
     "--save-every",
     "4",
     "--keep-checkpoints",
@@ -58,9 +62,14 @@ fn tiny_target(dir: &Path) -> PathBuf {
 }
 
 fn launch(run_dir: &Path, target: &Path) -> Command {
+    launch_with(run_dir, target, &[])
+}
+
+fn launch_with(run_dir: &Path, target: &Path, extra: &[&str]) -> Command {
     let mut c = Command::new(bin("dflash-orch"));
     c.arg("launch")
         .args(RUN_FLAGS)
+        .args(extra)
         .arg("--target-model")
         .arg(target)
         .arg("--run-dir")
@@ -106,9 +115,13 @@ struct Reference {
 
 /// An undisturbed run: one commit per planned batch in plan order, a final checkpoint.
 fn reference(target: &Path) -> Reference {
+    reference_with(target, &[])
+}
+
+fn reference_with(target: &Path, extra: &[&str]) -> Reference {
     let dir = tempfile::tempdir().unwrap();
     let run_dir = dir.path().join("run");
-    finish(launch(&run_dir, target).spawn().unwrap());
+    finish(launch_with(&run_dir, target, extra).spawn().unwrap());
     let commits = effective_commits(&run_dir);
     assert!(commits.len() >= 50, "{} commits", commits.len());
     for (i, c) in commits.iter().enumerate() {
@@ -171,11 +184,45 @@ fn kill_and_wait(child: &mut Child) {
 
 #[test]
 fn drafter_sigkill_mid_run_ends_with_identical_weights() {
+    drafter_sigkill_mid_run(&[]);
+}
+
+/// The same in bf16 (target and drafter compute, features in the ring): exact replay holds in
+/// any dtype, and the bf16 run learns.
+#[test]
+fn in_bf16_a_drafter_sigkill_mid_run_ends_with_identical_weights() {
+    let (_dir, run_dir) = drafter_sigkill_mid_run(&["--dtype", "bf16", "--feature-dtype", "bf16"]);
+    let settings: Value =
+        serde_json::from_slice(&fs::read(run_dir.join("dflash.json")).unwrap()).unwrap();
+    assert_eq!(settings["dtype"], "bf16");
+    assert_eq!(settings["feature_dtype"], "bf16");
+    let losses: Vec<f64> = fs::read_to_string(run_dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v["kind"] == "train")
+        .filter_map(|v| v["loss"].as_f64())
+        .collect();
+    let tenth = (losses.len() / 10).max(1);
+    let mean = |x: &[f64]| x.iter().sum::<f64>() / x.len() as f64;
+    let (first, last) = (
+        mean(&losses[..tenth]),
+        mean(&losses[losses.len() - tenth..]),
+    );
+    assert!(
+        losses.iter().all(|l| l.is_finite()) && last < first,
+        "bf16 loss {first} -> {last}"
+    );
+}
+
+/// Kills the drafter mid-run; the run ends with the weights of an undisturbed one. Returns the
+/// killed run's directory (and its parent, removed when dropped).
+fn drafter_sigkill_mid_run(extra: &[&str]) -> (tempfile::TempDir, PathBuf) {
     let dir = tempfile::tempdir().unwrap();
     let target = tiny_target(dir.path());
-    let want = reference(&target);
+    let want = reference_with(&target, extra);
     let run_dir = dir.path().join("run");
-    let child = launch(&run_dir, &target).spawn().unwrap();
+    let child = launch_with(&run_dir, &target, extra).spawn().unwrap();
     wait_until("the drafter", Duration::from_secs(60), || {
         run_dir.join("control.sock").exists()
     });
@@ -197,6 +244,7 @@ fn drafter_sigkill_mid_run_ends_with_identical_weights() {
         "final model.safetensors differs from the undisturbed run's"
     );
     assert_clean(&run_dir);
+    (dir, run_dir)
 }
 
 #[test]

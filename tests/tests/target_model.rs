@@ -6,7 +6,7 @@ use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
 use dflash_e2e::{assert_refused, orch, stdout_ok};
-use dflash_worker::model::qwen3::{Qwen3, read_config};
+use dflash_worker::model::qwen3::{AttentionMode, Qwen3, read_config};
 
 fn tiny(dir: &Path) -> std::path::PathBuf {
     let out = dir.join("tiny");
@@ -43,7 +43,7 @@ fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
 #[test]
 fn packed_batches_match_sequences_run_alone_and_attention_is_causal() {
     let dir = tempfile::tempdir().unwrap();
-    let model = Qwen3::load(&tiny(dir.path()), None, &Device::Cpu).unwrap();
+    let model = Qwen3::load(&tiny(dir.path()), None, &Device::Cpu, DType::F32).unwrap();
     let layers = model.config.num_hidden_layers;
     let indices: Vec<usize> = (0..=layers).collect();
     let a: Vec<u32> = (0..9).map(|i| (i * 37 + 5) % 600).collect();
@@ -84,10 +84,96 @@ fn packed_batches_match_sequences_run_alone_and_attention_is_causal() {
     }
 
     // Loading fewer layers gives the same early hidden states.
-    let two = Qwen3::load(&dir.path().join("tiny"), Some(2), &Device::Cpu).unwrap();
+    let two = Qwen3::load(&dir.path().join("tiny"), Some(2), &Device::Cpu, DType::F32).unwrap();
     let h2 = alone(&two, &a, &[0, 1, 2]);
     for k in 0..=2 {
         assert!(max_diff(&h2[k], &ha[k]) < 1e-6);
+    }
+}
+
+/// Hidden states of a batch (`[rows, width]` of tokens, positions and segments) in `mode`:
+/// `[index][row][position][hidden]`.
+fn states_in(
+    model: &mut Qwen3,
+    mode: AttentionMode,
+    rows: &[Vec<(u32, u32, u32)>],
+    indices: &[usize],
+) -> Vec<Tensor> {
+    model.set_attention(mode);
+    let d = Device::Cpu;
+    let (b, s) = (rows.len(), rows[0].len());
+    let column = |f: fn(&(u32, u32, u32)) -> u32| {
+        let v: Vec<u32> = rows.iter().flat_map(|r| r.iter().map(f)).collect();
+        Tensor::from_vec(v, (b, s), &d).unwrap()
+    };
+    model
+        .hidden_states(
+            &column(|t| t.0),
+            &column(|t| t.1),
+            &column(|t| t.2),
+            indices,
+        )
+        .unwrap()
+}
+
+/// The tiled attention (tiles of 4, so segments of 1, 3, 4, 5, 11 and 23 tokens cross tile
+/// edges and end mid-tile) gives the dense attention's hidden states within 1e-5 through the
+/// whole model (grouped-query heads), packed and padded, padding included.
+#[test]
+fn tiled_attention_matches_dense_through_the_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut model = Qwen3::load(&tiny(dir.path()), None, &Device::Cpu, DType::F32).unwrap();
+    let c = &model.config;
+    assert!(
+        c.num_attention_heads > c.num_key_value_heads,
+        "grouped-query heads"
+    );
+    let indices: Vec<usize> = (0..=c.num_hidden_layers).collect();
+    let lengths = [5usize, 1, 23, 4, 3, 11];
+    let token = |i: usize, p: usize| ((i * 97 + p * 31 + 7) % 599) as u32;
+    // Packed: one row, positions restarting per segment.
+    let packed = vec![
+        lengths
+            .iter()
+            .enumerate()
+            .flat_map(|(i, &n)| (0..n).map(move |p| (token(i, p), p as u32, i as u32)))
+            .collect::<Vec<_>>(),
+    ];
+    // Padded: one row per sequence, padding in a segment of its own.
+    let width = *lengths.iter().max().unwrap();
+    let padded: Vec<Vec<(u32, u32, u32)>> = lengths
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| {
+            (0..width)
+                .map(|p| {
+                    if p < n {
+                        (token(i, p), p as u32, i as u32)
+                    } else {
+                        (0, 0, u32::MAX)
+                    }
+                })
+                .collect()
+        })
+        .collect();
+    for (what, rows) in [("packed", &packed), ("padded", &padded)] {
+        let dense = states_in(&mut model, AttentionMode::Dense, rows, &indices);
+        for tile in [4, 7, 64] {
+            let tiled = states_in(&mut model, AttentionMode::Tiled(tile), rows, &indices);
+            for (k, (a, b)) in dense.iter().zip(&tiled).enumerate() {
+                let diff = (a - b)
+                    .unwrap()
+                    .abs()
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .max(0)
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap();
+                assert!(diff < 1e-5, "{what}, tile {tile}, index {k}: {diff}");
+            }
+        }
     }
 }
 
@@ -127,7 +213,7 @@ fn bad_model_directories_are_named() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny(dir.path());
     let load = |p: &Path| {
-        Qwen3::load(p, None, &Device::Cpu)
+        Qwen3::load(p, None, &Device::Cpu, DType::F32)
             .err()
             .expect("refused")
             .to_string()

@@ -18,7 +18,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use clap::Parser;
 use dflash_worker::dflash::sample_anchors;
 use dflash_worker::model::drafter::{Drafter, DrafterConfig};
@@ -53,6 +53,9 @@ struct Args {
     /// Anchors per sequence.
     #[arg(long, default_value_t = 32)]
     num_anchors: usize,
+    /// Anchors computed and back-propagated together (default: all at once).
+    #[arg(long)]
+    anchor_chunk: Option<usize>,
     /// Loss decay over block positions [default: none, uniform].
     #[arg(long)]
     gamma: Option<f64>,
@@ -146,8 +149,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let target = qwen3::read_config(&args.model)?;
     let needed = args.target_layer_ids.iter().max().map_or(0, |&l| l + 1);
-    let model = Qwen3::load(&args.model, Some(needed), &device)?;
-    let (embedding, lm_head) = qwen3::load_heads(&args.model, &device)?;
+    let model = Qwen3::load(&args.model, Some(needed), &device, DType::F32)?;
+    let (embedding, lm_head) = qwen3::load_heads(&args.model, &device, DType::F32)?;
     let indices: Vec<usize> = args.target_layer_ids.iter().map(|l| l + 1).collect();
 
     // The batch: random token ids below the mask token, a prompt without loss, then loss.
@@ -219,8 +222,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for step in 0..steps {
         let started = Instant::now();
-        let (mut sum, mut weight) = (None::<Tensor>, 0.0);
         let mut step_anchors = Vec::with_capacity(args.batch);
+        let mut sequences = Vec::with_capacity(args.batch);
         let mut offset = 0;
         for (i, &len) in lengths.iter().enumerate() {
             let range = offset..offset + len;
@@ -232,32 +235,29 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 step as u64,
                 i as u64,
             );
-            if picked.is_empty() {
-                step_anchors.push(picked);
-                continue;
+            if !picked.is_empty() {
+                sequences.push((range, picked.clone()));
             }
-            let parts = drafter.loss_parts(
-                &all.narrow(0, range.start, len)?,
-                &tokens[range.clone()],
-                &masks[range],
-                &picked,
-                &embedding,
-                &lm_head,
-                args.gamma,
-            )?;
-            weight += parts.weight;
-            sum = Some(match sum {
-                None => parts.sum,
-                Some(total) => (total + parts.sum)?,
-            });
             step_anchors.push(picked);
         }
+        // The drafter stage's own training step (worker/src/dflash.rs).
+        let (grads, batch) = drafter.micro_batch(
+            &all,
+            &tokens,
+            &masks,
+            &sequences,
+            &embedding,
+            &lm_head,
+            args.gamma,
+            args.anchor_chunk,
+            1,
+        )?;
         let lr = schedule.lr(step as u64);
         let (mut loss, mut norm) = (f64::NAN, 0.0);
-        if let Some(sum) = sum.filter(|_| weight > 0.0) {
-            let mean = (sum / weight)?;
-            loss = f64::from(mean.to_scalar::<f32>()?);
-            accum.add(&mean, &vars, 1)?;
+        if let Some(grads) = grads {
+            loss = batch.loss;
+            accum.sum(grads)?;
+            accum.micro += 1;
             if let Some(mut grads) = accum.take() {
                 norm = clip_grad_norm(&mut grads, args.clip)?;
                 opt.step(&grads, lr)?;

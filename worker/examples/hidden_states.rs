@@ -22,7 +22,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let tokens = parse(tokens)?;
     let indices: Vec<usize> = parse(indices)?.into_iter().map(|i| i as usize).collect();
     let device = Device::Cpu;
-    let model = Qwen3::load(&PathBuf::from(dir), None, &device)?;
+    let model = Qwen3::load(&PathBuf::from(dir), None, &device, DType::F32)?;
     let n = tokens.len();
     let ids = Tensor::from_vec(tokens, (1, n), &device)?;
     let positions = Tensor::arange(0u32, n as u32, &device)?.reshape((1, n))?;

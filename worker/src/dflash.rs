@@ -11,8 +11,8 @@
 use std::path::Path;
 use std::time::Instant;
 
-use candle_core::{Device, Tensor};
-use dflash_common::dflash::DflashSettings;
+use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
+use dflash_common::dflash::{DflashSettings, Precision};
 use dflash_common::ring::{
     Layout, Ring, features_offset, read_lengths, read_masks, read_tokens, token_checksum,
     write_batch,
@@ -62,12 +62,56 @@ fn err(e: impl std::fmt::Display) -> String {
     e.to_string()
 }
 
+/// candle's dtype for a precision of the settings.
+pub fn dtype(p: Precision) -> DType {
+    match p {
+        Precision::F32 => DType::F32,
+        Precision::Bf16 => DType::BF16,
+    }
+}
+
+/// Copies the elements of `t` (f32 or bf16, any device) into the start of `dst`, in one transfer:
+/// straight from a CPU tensor's memory, or one device-to-host copy. Returns the bytes written.
+pub fn write_elements(t: &Tensor, dst: &mut [u8]) -> Result<usize, String> {
+    let t = t.flatten_all().and_then(|t| t.contiguous()).map_err(err)?;
+    let mut put = |bytes: &[u8]| -> Result<usize, String> {
+        let room = dst.len();
+        dst.get_mut(..bytes.len())
+            .ok_or_else(|| {
+                format!(
+                    "{} bytes of features do not fit the {room} bytes left in the slot",
+                    bytes.len()
+                )
+            })?
+            .copy_from_slice(bytes);
+        Ok(bytes.len())
+    };
+    use half::slice::HalfFloatSliceExt;
+    let (storage, layout) = t.storage_and_layout();
+    if let (Storage::Cpu(cpu), Some((from, to))) = (&*storage, layout.contiguous_offsets()) {
+        return match cpu {
+            CpuStorage::F32(v) => put(bytemuck::cast_slice(&v[from..to])),
+            CpuStorage::BF16(v) => put(bytemuck::cast_slice(v[from..to].reinterpret_cast())),
+            _ => Err(format!("features of dtype {:?}", t.dtype())),
+        };
+    }
+    drop(storage);
+    match t.dtype() {
+        DType::F32 => put(bytemuck::cast_slice(&t.to_vec1::<f32>().map_err(err)?)),
+        DType::BF16 => put(bytemuck::cast_slice(
+            t.to_vec1::<half::bf16>().map_err(err)?.reinterpret_cast(),
+        )),
+        other => Err(format!("features of dtype {other:?}")),
+    }
+}
+
 /// The target stage: frozen forward pass, hidden states out.
 pub struct TargetStage {
     model: Qwen3,
     /// Hidden-state indices (layer id + 1).
     indices: Vec<usize>,
     budget: u64,
+    feature_dtype: DType,
     device: Device,
 }
 
@@ -77,6 +121,7 @@ impl TargetStage {
             &settings.target_model,
             Some(settings.target_layers_needed()),
             device,
+            dtype(settings.dtype),
         )
         .map_err(err)?;
         settings.check(&model.config)?;
@@ -84,6 +129,7 @@ impl TargetStage {
             model,
             indices: settings.target_layer_ids.iter().map(|l| l + 1).collect(),
             budget: settings.token_budget,
+            feature_dtype: dtype(settings.feature_dtype),
             device: device.clone(),
         })
     }
@@ -154,19 +200,16 @@ impl Stage for TargetStage {
                 "token id {bad} is outside the target's vocabulary ({vocab})"
             ));
         }
-        let values: Vec<f32> = self
+        let values = self
             .features(meta.layout, &lengths, &tokens)?
-            .to_device(&Device::Cpu)
-            .and_then(|t| t.flatten_all())
-            .and_then(|t| t.to_vec1::<f32>())
+            .to_dtype(self.feature_dtype)
             .map_err(err)?;
         let slot = features.data_mut(out.slot);
         let from = features_offset(self.budget);
-        let bytes: &[u8] = bytemuck::cast_slice(&values);
         let dst = slot
-            .get_mut(from..from + bytes.len())
-            .ok_or_else(|| format!("{} features do not fit the feature slot", values.len()))?;
-        dst.copy_from_slice(bytes);
+            .get_mut(from..)
+            .ok_or("the feature slot is smaller than its header")?;
+        write_elements(&values, dst)?;
         let written = write_batch(
             slot,
             Layout::Packed,
@@ -252,8 +295,9 @@ impl DrafterStage {
     pub fn new(settings: &DflashSettings, device: &Device) -> Result<Self, String> {
         let target = qwen3::read_config(&settings.target_model).map_err(err)?;
         settings.check(&target)?;
+        let compute = dtype(settings.dtype);
         let (embedding, lm_head) =
-            qwen3::load_heads(&settings.target_model, device).map_err(err)?;
+            qwen3::load_heads(&settings.target_model, device, compute).map_err(err)?;
         let config = DrafterConfig {
             hidden: target.hidden_size,
             intermediate: target.intermediate_size,
@@ -268,7 +312,9 @@ impl DrafterStage {
             target_layer_ids: settings.target_layer_ids.clone(),
             vocab: target.vocab_size,
         };
-        let drafter = Drafter::new(config, settings.seed, device).map_err(err)?;
+        let drafter = Drafter::new(config, settings.seed, device)
+            .map_err(err)?
+            .with_compute(compute);
         let vars = drafter.params.iter().map(|p| p.var.clone()).collect();
         let mut opt = AdamW::new(
             vars,
@@ -404,24 +450,25 @@ impl Stage for DrafterStage {
         }
         let masks = read_masks(data, &meta)?;
         let from = features_offset(self.settings.token_budget);
-        let n = tokens.len() * self.width;
+        let feature_dtype = dtype(self.settings.feature_dtype);
+        let n = tokens.len() * self.width * feature_dtype.size_in_bytes();
         let bytes = data
-            .get(from..from + 4 * n)
+            .get(from..from + n)
             .ok_or_else(|| format!("feature slot {} claims {} tokens", at.slot, tokens.len()))?;
-        let values: Vec<f32> = bytes
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
-            .collect();
-        let all =
-            Tensor::from_vec(values, (tokens.len(), self.width), &self.device).map_err(err)?;
-        let block = self.settings.block_size;
-        let (mut sum, mut weight, mut anchors) = (None::<Tensor>, 0.0, 0u32);
-        let (mut correct, mut counted) = (vec![0u32; block], vec![0u32; block]);
+        // One copy out of the slot (host to device on a GPU), no per-element parsing.
+        let all = Tensor::from_raw_buffer(
+            bytes,
+            feature_dtype,
+            &[tokens.len(), self.width],
+            &self.device,
+        )
+        .map_err(err)?;
+        // Every sequence's anchors, drawn from (seed, step, sequence).
         let mut offset = 0;
+        let mut sequences = Vec::with_capacity(lengths.len());
         for (i, &len) in lengths.iter().enumerate() {
-            let len = len as usize;
-            let range = offset..offset + len;
-            offset += len;
+            let range = offset..offset + len as usize;
+            offset += len as usize;
             let picked = sample_anchors(
                 &masks[range.clone()],
                 self.settings.num_anchors,
@@ -429,46 +476,31 @@ impl Stage for DrafterStage {
                 id.step,
                 i as u64,
             );
-            if picked.is_empty() {
-                continue;
+            if !picked.is_empty() {
+                sequences.push((range, picked));
             }
-            let parts = self
-                .drafter
-                .loss_parts(
-                    &all.narrow(0, range.start, len).map_err(err)?,
-                    &tokens[range.clone()],
-                    &masks[range],
-                    &picked,
-                    &self.embedding,
-                    &self.lm_head,
-                    self.settings.gamma,
-                )
-                .map_err(err)?;
-            anchors += picked.len() as u32;
-            weight += parts.weight;
-            let s = parts.sum;
-            for (k, (c, n)) in parts.accuracy.into_iter().enumerate() {
-                correct[k] += c;
-                counted[k] += n;
-            }
-            sum = Some(match sum {
-                None => s,
-                Some(total) => (total + s).map_err(err)?,
-            });
         }
-        let mut loss = 0.0;
-        match sum {
-            Some(sum) if weight > 0.0 => {
-                let mean = (sum / weight).map_err(err)?;
-                loss = f64::from(mean.to_scalar::<f32>().map_err(err)?);
-                let vars: Vec<_> = self.drafter.params.iter().map(|p| p.var.clone()).collect();
-                self.accum
-                    .add(&mean, &vars, group.len as usize)
-                    .map_err(err)?;
-            }
-            // Nothing to learn from in this micro-batch: it still takes its place in the group.
-            _ => self.accum.micro += 1,
+        let (grads, batch) = self
+            .drafter
+            .micro_batch(
+                &all,
+                &tokens,
+                masks,
+                &sequences,
+                &self.embedding,
+                &self.lm_head,
+                self.settings.gamma,
+                self.settings.anchor_chunk,
+                group.len as usize,
+            )
+            .map_err(err)?;
+        if let Some(grads) = grads {
+            self.accum.sum(grads).map_err(err)?;
         }
+        // A micro-batch with nothing to learn from still takes its place in the group.
+        self.accum.micro += 1;
+        let (loss, anchors, correct, counted) =
+            (batch.loss, batch.anchors, batch.correct, batch.counted);
         self.group_loss += loss / f64::from(group.len);
         let mut update = None;
         if group.is_last() {

@@ -18,6 +18,22 @@ pub fn grads_of(store: &GradStore, vars: &[Var]) -> Grads {
         .collect()
 }
 
+/// Adds `more` to the gradients in `into` (a missing one counts as zero).
+pub fn add_grads(into: &mut Option<Grads>, more: Grads) -> candle_core::Result<()> {
+    *into = Some(match into.take() {
+        None => more,
+        Some(sum) => sum
+            .into_iter()
+            .zip(more)
+            .map(|pair| match pair {
+                (Some(a), Some(b)) => Ok(Some((a + b)?)),
+                (a, b) => Ok(a.or(b)),
+            })
+            .collect::<candle_core::Result<Grads>>()?,
+    });
+    Ok(())
+}
+
 /// Learning rate: linear warmup from 0 to `peak` over `warmup` steps, then cosine decay to 0 at
 /// `total` steps.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -137,20 +153,14 @@ pub struct Accumulator {
 impl Accumulator {
     /// Adds the gradients of one micro-batch loss, scaled by `1 / accum`.
     pub fn add(&mut self, loss: &Tensor, vars: &[Var], accum: usize) -> candle_core::Result<()> {
-        let grads = grads_of(&(loss / accum as f64)?.backward()?, vars);
-        self.grads = Some(match self.grads.take() {
-            None => grads,
-            Some(sum) => sum
-                .into_iter()
-                .zip(grads)
-                .map(|pair| match pair {
-                    (Some(a), Some(b)) => Ok(Some((a + b)?)),
-                    (a, b) => Ok(a.or(b)),
-                })
-                .collect::<candle_core::Result<Grads>>()?,
-        });
+        self.sum(grads_of(&(loss / accum as f64)?.backward()?, vars))?;
         self.micro += 1;
         Ok(())
+    }
+
+    /// Adds gradients already scaled (part of a micro-batch; the caller counts `micro`).
+    pub fn sum(&mut self, grads: Grads) -> candle_core::Result<()> {
+        add_grads(&mut self.grads, grads)
     }
 
     /// The summed gradients, resetting the accumulator.

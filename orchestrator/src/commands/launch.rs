@@ -98,6 +98,21 @@ pub struct LaunchArgs {
     #[arg(long)]
     pub resume: bool,
 
+    /// Check everything and print the memory plan (each worker's peak: weights, activations,
+    /// attention, features, optimiser; the GPUs' and /dev/shm's fit) without starting anything.
+    /// Exits 1 when a launch would be refused.
+    #[arg(long)]
+    pub dry_run: bool,
+
+    /// With --dry-run: the plan as JSON.
+    #[arg(long, requires = "dry_run")]
+    pub json: bool,
+
+    /// With --dry-run: the memory of each GPU in GiB, where NVML cannot tell it (planning on a
+    /// machine without the GPUs) or to plan for other GPUs.
+    #[arg(long, value_name = "GIB", requires = "dry_run", value_parser = options::positive(1e6, " GiB"))]
+    pub gpu_memory: Option<f64>,
+
     /// The options given on the command line (long names), for --resume to compare.
     #[arg(skip)]
     pub given: Vec<String>,
@@ -161,11 +176,29 @@ pub struct DflashFlags {
     /// Checkpoints to keep (1 to 1000).
     #[arg(long, value_name = "N", default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..=1000))]
     pub keep_checkpoints: u16,
+
+    /// The target's weights and activations, and the drafter's compute (its master weights and
+    /// AdamW moments stay f32): f32, bf16, or auto (bf16 on GPUs, f32 on CPUs). A checkpoint
+    /// stored in this dtype is loaded without conversion.
+    #[arg(long, value_name = "auto|f32|bf16", default_value = "auto", value_parser = options::dtype_choice())]
+    pub dtype: options::DtypeChoice,
+
+    /// The features' element type in the feature ring (/dev/shm): f32, bf16, or auto (bf16 on
+    /// GPUs, f32 on CPUs). bf16 halves the ring.
+    #[arg(long, value_name = "auto|f32|bf16", default_value = "auto", value_parser = options::dtype_choice())]
+    pub feature_dtype: options::DtypeChoice,
+
+    /// Anchors of a sequence computed and back-propagated together (gradients of the chunks are
+    /// summed): 1 to 65536, or auto (as many as fit the drafter's activation budget at
+    /// --max-len; see `launch --dry-run`).
+    #[arg(long, value_name = "N|auto", default_value = "auto", value_parser = options::count_or_auto(1, 65_536))]
+    pub anchor_chunk: options::CountOrAuto,
 }
 
 impl DflashFlags {
-    /// The settings, with defaults that depend on the target filled in from its config.json.
-    pub fn settings(&self, seed: u64) -> Result<DflashSettings, CliError> {
+    /// The settings, with defaults that depend on the target filled in from its config.json and
+    /// on the workers' devices (`gpu`: GPU workers) and the longest sequence (`max_len`).
+    pub fn settings(&self, seed: u64, gpu: bool, max_len: u32) -> Result<DflashSettings, CliError> {
         let dir = self
             .target_model
             .clone()
@@ -197,7 +230,21 @@ impl DflashFlags {
             total_steps: 0,
             token_budget: 0,
             checkpoint_dir: PathBuf::new(),
+            dtype: self.dtype.resolve(gpu),
+            feature_dtype: self.feature_dtype.resolve(gpu),
+            anchor_chunk: None,
             fingerprint: Default::default(),
+        })
+        .map(|mut settings| {
+            settings.anchor_chunk = match self.anchor_chunk {
+                options::CountOrAuto::Count(n) => {
+                    Some(n as usize).filter(|&n| n < settings.num_anchors)
+                }
+                options::CountOrAuto::Auto => {
+                    crate::runtime::memory::auto_anchor_chunk(&target, &settings, max_len, gpu)
+                }
+            };
+            settings
         })
     }
 }
@@ -243,7 +290,8 @@ pub fn config_from_args(
                     .and_then(|s| s.dflash.as_ref())
                     .map(|d| d.target_model.clone());
             }
-            Some(flags.settings(plan.seed)?)
+            let gpu = !gpus.trim().starts_with("cpu:");
+            Some(flags.settings(plan.seed, gpu, plan.max_len)?)
         }
         _ if args.dflash.target_model.is_some() => {
             return Err(CliError::Invalid(
@@ -275,6 +323,9 @@ pub fn config_from_args(
 }
 
 pub fn run(args: LaunchArgs) -> Result<(), CliError> {
+    if args.dry_run {
+        return dry_run(&args);
+    }
     let (config, changes) = if args.resume {
         runtime::launch_plan::check_not_live(&args.run_dir).map_err(run_error)?;
         let stored = runtime::resume::stored_config(&args.run_dir).map_err(run_error)?;
@@ -319,4 +370,108 @@ fn run_error(e: RunError) -> CliError {
         RunError::Invalid(e) => CliError::Invalid(e),
         RunError::Failed(e) => CliError::Failed(format!("run failed: {e}")),
     }
+}
+
+fn dry_run(args: &LaunchArgs) -> Result<(), CliError> {
+    let config = if args.resume {
+        let stored = runtime::resume::stored_config(&args.run_dir).map_err(run_error)?;
+        let session = config_from_args(args, Some(&stored))?;
+        let given = runtime::resume::given_values(&args.given, &session);
+        runtime::resume::merge(stored, &given, &session)
+            .map_err(CliError::Invalid)?
+            .0
+    } else {
+        config_from_args(args, None)?
+    };
+    let gpu_memory = args.gpu_memory.map(|g| (g * f64::from(1u32 << 30)) as u64);
+    let found = runtime::launch_plan::dry_run(&config, gpu_memory).map_err(run_error)?;
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&found).map_err(|e| CliError::Failed(e.to_string()))?
+        );
+    } else {
+        print!("{}", dry_run_text(&found));
+    }
+    match found.refusals.is_empty() {
+        true => Ok(()),
+        false => Err(CliError::Failed(format!(
+            "a launch would be refused: {}",
+            found.refusals.join("; ")
+        ))),
+    }
+}
+
+/// The dry run as a table.
+fn dry_run_text(d: &runtime::launch_plan::DryRun) -> String {
+    use runtime::memory::gib;
+    use std::fmt::Write;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "workers: {}\nbatches of at most {} tokens, sequences of at most {}",
+        d.workers.join(", "),
+        d.token_budget,
+        d.max_len
+    );
+    if let Some(p) = &d.plan {
+        let _ = writeln!(
+            out,
+            "dtype {}, features {}, anchor chunk {}\n",
+            d.dtype.as_deref().unwrap_or("-"),
+            d.feature_dtype.as_deref().unwrap_or("-"),
+            p.anchor_chunk
+                .map_or_else(|| "none (all anchors at once)".into(), |c| c.to_string())
+        );
+        let _ = writeln!(
+            out,
+            "{:<8} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>13}",
+            "worker",
+            "weights",
+            "activations",
+            "attention",
+            "features",
+            "optimiser",
+            "peak",
+            "as CPU worker"
+        );
+        for (w, host) in [(&p.target, p.target_host), (&p.drafter, p.drafter_host)] {
+            let _ = writeln!(
+                out,
+                "{:<8} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>13}",
+                w.role,
+                gib(w.weights),
+                gib(w.activations),
+                gib(w.attention),
+                gib(w.features),
+                gib(w.optimiser),
+                gib(w.total),
+                gib(host)
+            );
+        }
+        out.push('\n');
+    }
+    for u in &d.gpus {
+        let _ = writeln!(
+            out,
+            "GPU {}: {} need {} of {}",
+            u.gpu,
+            u.workers.join(" + "),
+            gib(u.need),
+            u.total.map_or_else(|| "unknown".into(), gib)
+        );
+    }
+    let _ = writeln!(
+        out,
+        "/dev/shm: the rings need {} ({} free)",
+        gib(d.shm_bytes),
+        d.shm_free.map_or_else(|| "unknown".into(), gib)
+    );
+    for n in &d.notes {
+        let _ = writeln!(out, "note: {n}");
+    }
+    if d.refusals.is_empty() {
+        let _ = writeln!(out, "a launch would start");
+    }
+    out
 }

@@ -60,7 +60,7 @@ pub(super) fn check(
 }
 
 /// Whether the worker binary reports a CUDA build.
-fn worker_has_cuda(worker: &Path) -> Result<bool, RunError> {
+pub(super) fn worker_has_cuda(worker: &Path) -> Result<bool, RunError> {
     let out = std::process::Command::new(worker)
         .arg("--capabilities")
         .output()

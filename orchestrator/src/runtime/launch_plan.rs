@@ -239,9 +239,9 @@ impl Drop for Guard {
 }
 
 /// Bytes of `/dev/shm` the rings of a run need: `targets` target workers, batches of at most
-/// `budget` tokens, `feature_width` values per token (`None`: the synthetic stage).
-pub fn ring_bytes(targets: u32, budget: u64, feature_width: Option<u64>) -> Result<u64, RunError> {
-    RingPlan::new(targets, budget, feature_width).map(|r| r.total)
+/// `budget` tokens, `feature_bytes` bytes of features per token (`None`: the synthetic stage).
+pub fn ring_bytes(targets: u32, budget: u64, feature_bytes: Option<u64>) -> Result<u64, RunError> {
+    RingPlan::new(targets, budget, feature_bytes).map(|r| r.total)
 }
 
 /// Sizes of the two rings.
@@ -255,7 +255,7 @@ struct RingPlan {
 }
 
 impl RingPlan {
-    fn new(targets: u32, budget: u64, feature_width: Option<u64>) -> Result<Self, RunError> {
+    fn new(targets: u32, budget: u64, feature_bytes: Option<u64>) -> Result<Self, RunError> {
         let too_big = || {
             RunError::Invalid(format!(
                 "--token-budget {budget}: the rings' sizes overflow (at most {MAX_TOKEN_BUDGET} tokens)"
@@ -268,11 +268,10 @@ impl RingPlan {
         let feature_slots = 2 * targets + 2;
         // Within MAX_TOKEN_BUDGET the input slot cannot overflow; the features' width can.
         let input_bytes = 64 + input_data_bytes(budget);
-        let feature_bytes = match feature_width {
-            Some(width) => budget
-                .checked_mul(width)
-                .and_then(|n| n.checked_mul(4))
-                .map(|_| feature_data_bytes(budget, width)),
+        let feature_bytes = match feature_bytes {
+            Some(per_token) => budget
+                .checked_mul(per_token)
+                .map(|_| feature_data_bytes(budget, per_token)),
             None => budget.checked_mul(4),
         }
         .and_then(|b| b.checked_add(64))
@@ -294,6 +293,169 @@ impl RingPlan {
             total,
         })
     }
+}
+
+/// A GPU's memory, from NVML.
+fn gpu_total(nvml: &Result<&'static nvml_wrapper::Nvml, String>, gpu: u32) -> Option<u64> {
+    let nvml = nvml.as_ref().ok()?;
+    Some(nvml.device_by_index(gpu).ok()?.memory_info().ok()?.total)
+}
+
+/// The memory plan of a DFlash run with these rings.
+fn memory_plan(
+    settings: &dflash_common::dflash::DflashSettings,
+    target: &dflash_common::dflash::Qwen3Config,
+    planner: &super::PlannerSettings,
+    rings: &RingPlan,
+) -> super::memory::MemoryPlan {
+    super::memory::plan(
+        target,
+        settings,
+        planner.token_budget,
+        u64::from(planner.max_len),
+        rings.total,
+        u64::from(rings.feature_slots) * rings.feature_bytes,
+        rings.feature_bytes,
+    )
+}
+
+/// What `launch --dry-run` found: the workers, the memory plan, and what a launch would refuse.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct DryRun {
+    /// Per worker, `role device` (e.g. `target gpu:0`).
+    pub workers: Vec<String>,
+    pub token_budget: u64,
+    pub max_len: u32,
+    /// The DFlash stage's plan (`None`: the synthetic stage).
+    pub plan: Option<super::memory::MemoryPlan>,
+    pub dtype: Option<String>,
+    pub feature_dtype: Option<String>,
+    /// Bytes of `/dev/shm` the rings need, and what it has free.
+    pub shm_bytes: u64,
+    pub shm_free: Option<u64>,
+    pub gpus: Vec<super::memory::GpuUse>,
+    /// What was not checked, and why.
+    pub notes: Vec<String>,
+    /// What a real launch would refuse; empty when it would start.
+    pub refusals: Vec<String>,
+}
+
+/// Checks a launch and plans its memory without touching anything: no run directory, no
+/// segment, no worker. `gpu_memory` stands for the GPUs' memory where NVML cannot tell it (or
+/// to plan for other GPUs); with it, GPU ids are taken as given when this machine has no GPU.
+pub fn dry_run(config: &RunConfig, gpu_memory: Option<u64>) -> Result<DryRun, RunError> {
+    let nvml = init_nvml();
+    let mut notes = Vec::new();
+    let mut refusals = Vec::new();
+    let count = match (gpu_count(&nvml), gpu_memory) {
+        (Err(why), Some(_)) => {
+            let named = match config.gpus.parse::<spec::GpuSpec>() {
+                Ok(spec::GpuSpec::Ids(ids)) => ids.iter().max().map_or(0, |m| m + 1),
+                _ => 0,
+            };
+            notes.push(format!(
+                "GPUs not checked ({why}): planned for the GPU ids given, each with --gpu-memory"
+            ));
+            Ok(named)
+        }
+        (count, _) => count,
+    };
+    let options = check_options(config, count)?;
+    let (devices, topology) = (options.devices, options.topology);
+    let workers: Vec<String> = devices
+        .iter()
+        .enumerate()
+        .map(|(i, d)| {
+            let role = if (i as u32) < topology.targets {
+                "target"
+            } else {
+                "drafter"
+            };
+            format!("{role} {d}")
+        })
+        .collect();
+    match (&config.data, config.synthetic) {
+        (Some(dir), _) => {
+            Store::open(dir).map_err(|e| RunError::Invalid(e.to_string()))?;
+        }
+        (None, Some(n)) if n > 0 => {}
+        _ => {
+            return Err(RunError::Invalid(
+                "pass --data STORE or --synthetic N".into(),
+            ));
+        }
+    }
+    let budget = config.planner.token_budget;
+    let mut plan = None;
+    let mut feature_bytes = None;
+    let mut target = None;
+    if let Some(settings) = &config.dflash {
+        let dir = &settings.target_model;
+        let checked = dflash_common::dflash::read_config(dir)
+            .map_err(|e| RunError::Invalid(format!("--target-model {e}")))?;
+        match dflash_common::dflash::weight_files(dir) {
+            Ok(_) => {
+                dflash_common::dflash::check_weights(dir, &checked, settings.target_layers_needed())
+                    .map_err(|e| RunError::Invalid(format!("--target-model {e}")))?
+            }
+            Err(e) => notes.push(format!(
+                "the target's weights were not checked ({e}): a launch needs them"
+            )),
+        }
+        settings.check(&checked).map_err(RunError::Invalid)?;
+        if devices.iter().any(|d| matches!(d, Device::Gpu(_))) {
+            let binary = workers::worker_binary();
+            match dflash_stage::worker_has_cuda(&binary) {
+                Ok(true) => {}
+                Ok(false) => refusals.push(format!(
+                    "{} was built without CUDA: GPU workers need `cargo build --release --features cuda`",
+                    binary.display()
+                )),
+                Err(e) => notes.push(format!("the worker binary was not checked: {e}")),
+            }
+        }
+        feature_bytes = Some(settings.feature_bytes_per_token(&checked));
+        target = Some(checked);
+    }
+    let rings = RingPlan::new(topology.targets, budget, feature_bytes)?;
+    let free = shm_free();
+    if let Some(free) = free
+        && free < rings.total
+    {
+        refusals.push(format!(
+            "{} has {} free, the rings need {} (lower --token-budget, use --feature-dtype bf16, or in a container raise --shm-size)",
+            run_dir::SHM_DIR,
+            super::memory::gib(free),
+            super::memory::gib(rings.total)
+        ));
+    }
+    let mut gpus = Vec::new();
+    if let (Some(settings), Some(target)) = (&config.dflash, &target) {
+        let p = memory_plan(settings, target, &config.planner, &rings);
+        gpus = super::memory::gpu_uses(&p, &devices, topology.targets, |g| {
+            gpu_total(&nvml, g).or(gpu_memory)
+        });
+        if gpus.iter().any(|u| u.total.is_none()) {
+            notes.push(
+                "GPU memory unknown (no NVML): pass --gpu-memory GIB to check the fit".into(),
+            );
+        }
+        refusals.extend(super::memory::refusal(&gpus));
+        plan = Some(p);
+    }
+    Ok(DryRun {
+        workers,
+        token_budget: budget,
+        max_len: config.planner.max_len,
+        dtype: config.dflash.as_ref().map(|d| d.dtype.to_string()),
+        feature_dtype: config.dflash.as_ref().map(|d| d.feature_dtype.to_string()),
+        plan,
+        shm_bytes: rings.total,
+        shm_free: free,
+        gpus,
+        notes,
+        refusals,
+    })
 }
 
 /// The options of a run, checked without touching anything: planner, workers, stage, topology.
@@ -423,7 +585,8 @@ pub fn launch(
     };
     let planner =
         Planner::new(lengths, plan_config).map_err(|e| RunError::Invalid(e.to_string()))?;
-    let mut feature_width = None;
+    let mut feature_bytes = None;
+    let mut target_config = None;
     if let Some(settings) = config.dflash.as_mut() {
         let checked = dflash_stage::check(settings, &mut tokens, &devices, &binary)?;
         if settings.total_steps == 0 {
@@ -435,7 +598,8 @@ pub fn launch(
             .canonicalize()
             .unwrap_or_else(|_| run_dir_path.to_path_buf())
             .join("checkpoints");
-        feature_width = Some(settings.feature_width(&checked));
+        feature_bytes = Some(settings.feature_bytes_per_token(&checked));
+        target_config = Some(checked.clone());
         settings.fingerprint = dflash_stage::fingerprint(
             settings,
             &config.data,
@@ -445,7 +609,7 @@ pub fn launch(
         )
         .map_err(RunError::Invalid)?;
     }
-    let rings = RingPlan::new(topology.targets, config.planner.token_budget, feature_width)?;
+    let rings = RingPlan::new(topology.targets, config.planner.token_budget, feature_bytes)?;
     if let Some(free) = shm_free()
         && free < rings.total
     {
@@ -455,6 +619,17 @@ pub fn launch(
             free / 1_000_000,
             rings.total.div_ceil(1_000_000)
         )));
+    }
+    // GPU workers: the memory plan against each GPU's memory.
+    if let (Some(settings), Some(target)) = (config.dflash.as_ref(), target_config.as_ref())
+        && devices.iter().any(|d| matches!(d, Device::Gpu(_)))
+    {
+        let plan = memory_plan(settings, target, &config.planner, &rings);
+        let uses =
+            super::memory::gpu_uses(&plan, &devices, topology.targets, |g| gpu_total(&nvml, g));
+        if let Some(why) = super::memory::refusal(&uses) {
+            return Err(RunError::Invalid(why));
+        }
     }
     // The Prometheus port is bound now: a busy port fails the launch before anything is written.
     let prom = config
@@ -553,7 +728,11 @@ pub fn launch(
         .collect();
     let source: Result<Box<dyn crate::observe::gpu::GpuSource>, String> = match &nvml {
         Ok(n) if !gpu_ids.is_empty() => {
-            Ok(Box::new(crate::observe::gpu::NvmlSource::new(n, &gpu_ids)))
+            // Workers sharing a GPU: it is watched once.
+            let mut unique = gpu_ids.clone();
+            unique.sort_unstable();
+            unique.dedup();
+            Ok(Box::new(crate::observe::gpu::NvmlSource::new(n, &unique)))
         }
         Ok(_) => Err("CPU workers: no GPU telemetry".into()),
         Err(why) => Err(why.clone()),

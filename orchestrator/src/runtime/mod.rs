@@ -14,6 +14,7 @@ mod feeder;
 mod handlers;
 pub mod journal;
 pub mod launch_plan;
+pub mod memory;
 pub mod metrics;
 mod progress;
 pub mod resume;

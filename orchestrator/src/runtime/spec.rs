@@ -19,7 +19,8 @@ impl fmt::Display for Device {
     }
 }
 
-/// `--gpus` as written: GPU ids (checked against the machine later) or `cpu:N`.
+/// `--gpus` as written: GPU ids (checked against the machine later; an id given twice puts two
+/// workers on that GPU) or `cpu:N`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum GpuSpec {
     All,
@@ -68,11 +69,7 @@ impl std::str::FromStr for GpuSpec {
                 None => ids.push(parse(part)?),
             }
         }
-        let mut sorted = ids.clone();
-        sorted.sort_unstable();
-        if sorted.windows(2).any(|w| w[0] == w[1]) {
-            return Err(bad("a GPU is listed twice"));
-        }
+        // A GPU listed twice runs two workers (they share its memory; the launch checks the fit).
         Ok(GpuSpec::Ids(ids))
     }
 }
@@ -182,9 +179,9 @@ mod tests {
         );
         assert_eq!("all".parse::<GpuSpec>().unwrap(), GpuSpec::All);
         assert_eq!("cpu:3".parse::<GpuSpec>().unwrap(), GpuSpec::Cpu(3));
-        for bad in [
-            "", "3-1", "0,0", "cpu:0", "cpu:x", "gpu", "-1", "1,,2", "99999",
-        ] {
+        // Two workers sharing GPU 0.
+        assert_eq!("0,0".parse::<GpuSpec>().unwrap(), GpuSpec::Ids(vec![0, 0]));
+        for bad in ["", "3-1", "cpu:0", "cpu:x", "gpu", "-1", "1,,2", "99999"] {
             assert!(bad.parse::<GpuSpec>().is_err(), "{bad}");
         }
     }

@@ -16,6 +16,7 @@ use candle_core::{D, DType, Device, Tensor, Var};
 
 use super::rotate_half;
 use crate::rng::SplitMix64;
+use crate::train::{Grads, add_grads, grads_of};
 
 /// The drafter's shape and training constants.
 #[derive(Debug, Clone, PartialEq)]
@@ -50,16 +51,21 @@ pub struct Param {
     pub var: Var,
 }
 
-/// The drafter's weights.
+/// The drafter's weights (f32 masters) and the dtype its forward pass computes in.
 pub struct Drafter {
     pub config: DrafterConfig,
     pub params: Vec<Param>,
+    compute: DType,
 }
 
+/// RMSNorm in f32 whatever `x`'s dtype (returned in `x`'s dtype), `weight` an f32 master.
 fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
+    let dtype = x.dtype();
+    let x = x.to_dtype(DType::F32)?;
     let mean = x.sqr()?.mean_keepdim(D::Minus1)?;
     x.broadcast_div(&(mean + eps)?.sqrt()?)?
-        .broadcast_mul(weight)
+        .broadcast_mul(weight)?
+        .to_dtype(dtype)
 }
 
 /// cos and sin tables for positions `[..]` (any shape), with a trailing `head_dim` axis.
@@ -157,7 +163,17 @@ impl Drafter {
                 Ok(Param { name, var })
             })
             .collect::<candle_core::Result<Vec<_>>>()?;
-        Ok(Self { config, params })
+        Ok(Self {
+            config,
+            params,
+            compute: DType::F32,
+        })
+    }
+
+    /// Computes the forward pass in `dtype` (bf16 on GPUs); weights stay f32 masters.
+    pub fn with_compute(mut self, dtype: DType) -> Self {
+        self.compute = dtype;
+        self
     }
 
     fn get(&self, name: &str) -> &Tensor {
@@ -191,13 +207,15 @@ impl Drafter {
         Ok(((parts.sum / parts.weight.max(1e-9))?, parts.accuracy))
     }
 
-    /// The parts of one sequence's loss, so that a batch can average over all its positions.
+    /// The parts of one sequence's loss, all anchors in one graph, so that a batch can average
+    /// over all its positions.
     ///
     /// - `features`: `[seq, n·hidden]`, the target's hidden states at `target_layer_ids`,
-    ///   concatenated in that order;
+    ///   concatenated in that order (any float dtype);
     /// - `tokens`, `loss_mask`: the sequence (`loss_mask` 0/1);
-    /// - `anchors`: block starts (each with `loss_mask` set);
-    /// - `embedding`, `lm_head`: the target's frozen `[vocab, hidden]` matrices.
+    /// - `anchors`: block starts, sorted (each with `loss_mask` set);
+    /// - `embedding`, `lm_head`: the target's frozen `[vocab, hidden]` matrices, in the compute
+    ///   dtype.
     ///
     /// Returns the weighted sum of cross-entropies, the sum of the weights, and per block
     /// position (correct, counted) predictions.
@@ -215,14 +233,93 @@ impl Drafter {
         lm_head: &Tensor,
         gamma: Option<f64>,
     ) -> candle_core::Result<LossParts> {
+        let context = self.context(features)?;
+        self.blocks(
+            &context, tokens, loss_mask, anchors, embedding, lm_head, gamma,
+        )
+    }
+
+    /// The sum of the loss weights of one sequence's blocks (what [`LossParts::weight`] will be),
+    /// computed on the host before any block, so that chunks can be scaled by the batch total.
+    pub fn loss_weight(&self, loss_mask: &[u8], anchors: &[usize], gamma: Option<f64>) -> f64 {
+        let (_, weights) = targets_and_weights(
+            &vec![0; loss_mask.len()],
+            loss_mask,
+            anchors,
+            self.config.block_size,
+            gamma,
+        );
+        f64::from(weights.iter().sum::<f32>())
+    }
+
+    /// A parameter in the compute dtype (a copy in bf16; the f32 master itself in f32).
+    fn weight(&self, name: &str) -> candle_core::Result<Tensor> {
+        self.get(name).to_dtype(self.compute)
+    }
+
+    /// The context of one sequence, per drafter layer: its keys (rotary applied) and values,
+    /// `[kv_heads, seq, head_dim]` each, in the compute dtype. Computed once and shared by every
+    /// block of the sequence.
+    pub fn context(&self, features: &Tensor) -> candle_core::Result<Vec<(Tensor, Tensor)>> {
         let c = &self.config;
         let dev = features.device();
-        let (s, a, b) = (tokens.len(), anchors.len(), c.block_size);
+        let s = features.dim(0)?;
+        let d = c.head_dim;
+        let ctx = features
+            .to_dtype(self.compute)?
+            .matmul(&self.weight("fc.weight")?.t()?)?;
+        let ctx = rms_norm(&ctx, self.get("hidden_norm.weight"), c.rms_eps)?;
+        let (cos, sin) = rope_tables(&Tensor::arange(0u32, s as u32, dev)?, d, c.rope_theta)?;
+        let (cos, sin) = (
+            cos.to_dtype(self.compute)?.unsqueeze(0)?,
+            sin.to_dtype(self.compute)?.unsqueeze(0)?,
+        );
+        (0..c.layers)
+            .map(|i| {
+                let w = |n: &str| format!("layers.{i}.self_attn.{n}");
+                let k = ctx.matmul(&self.weight(&w("k_proj.weight"))?.t()?)?;
+                let v = ctx.matmul(&self.weight(&w("v_proj.weight"))?.t()?)?;
+                let k = rms_norm(
+                    &k.reshape((s, c.kv_heads, d))?,
+                    self.get(&w("k_norm.weight")),
+                    c.rms_eps,
+                )?
+                .transpose(0, 1)?;
+                let k = (k.broadcast_mul(&cos)? + rotate_half(&k)?.broadcast_mul(&sin)?)?;
+                let v = v.reshape((s, c.kv_heads, d))?.transpose(0, 1)?;
+                Ok((k.contiguous()?, v.contiguous()?))
+            })
+            .collect()
+    }
+
+    /// The blocks of `anchors` (sorted) against a sequence's `context` (from
+    /// [`Drafter::context`]): the parts of their loss. Only the context before the last anchor
+    /// is read, so a chunk of early anchors costs less than a chunk of late ones.
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "one sequence's inputs, each a different thing"
+    )]
+    pub fn blocks(
+        &self,
+        context: &[(Tensor, Tensor)],
+        tokens: &[u32],
+        loss_mask: &[u8],
+        anchors: &[usize],
+        embedding: &Tensor,
+        lm_head: &Tensor,
+        gamma: Option<f64>,
+    ) -> candle_core::Result<LossParts> {
+        let c = &self.config;
+        let dev = embedding.device();
+        let (a, b) = (anchors.len(), c.block_size);
         let (h, d) = (c.hidden, c.head_dim);
         let eps = c.rms_eps;
-        // Context features [s, h].
-        let ctx = features.matmul(&self.get("fc.weight").t()?)?;
-        let ctx = rms_norm(&ctx, self.get("hidden_norm.weight"), eps)?;
+        let cdt = self.compute;
+        // The context positions any of these blocks sees: those before the last anchor.
+        let seen = context
+            .first()
+            .map_or(1, |(k, _)| k.dim(1).unwrap_or(1))
+            .min(anchors.iter().copied().max().unwrap_or(0).max(1));
         // Blocks: anchor token then mask tokens, [a, b].
         let mut block_ids = Vec::with_capacity(a * b);
         let mut block_pos = Vec::with_capacity(a * b);
@@ -232,21 +329,28 @@ impl Drafter {
             block_pos.extend((anchor..anchor + b).map(|p| p as u32));
         }
         let ids = Tensor::from_vec(block_ids, a * b, dev)?;
-        let mut x = embedding.index_select(&ids, 0)?.reshape((a, b, h))?;
-        // Rotary tables: context [s, d], blocks [a, b, d].
-        let (cos_c, sin_c) = rope_tables(&Tensor::arange(0u32, s as u32, dev)?, d, c.rope_theta)?;
+        let mut x = embedding
+            .index_select(&ids, 0)?
+            .to_dtype(cdt)?
+            .reshape((a, b, h))?;
+        // Rotary tables of the blocks [a, 1, b, d].
         let (cos_b, sin_b) =
             rope_tables(&Tensor::from_vec(block_pos, (a, b), dev)?, d, c.rope_theta)?;
-        // Context visibility [a, 1, 1, s]: position j < anchor.
+        let (cos_b, sin_b) = (
+            cos_b.to_dtype(cdt)?.unsqueeze(1)?,
+            sin_b.to_dtype(cdt)?.unsqueeze(1)?,
+        );
+        // Context visibility [a, 1, 1, seen]: position j < anchor.
         let visible: Vec<f32> = anchors
             .iter()
             .flat_map(|&anchor| {
-                (0..s).map(move |j| if j < anchor { 0.0 } else { f32::NEG_INFINITY })
+                (0..seen).map(move |j| if j < anchor { 0.0 } else { f32::NEG_INFINITY })
             })
             .collect();
-        let ctx_mask = Tensor::from_vec(visible, (a, 1, 1, s), dev)?;
+        let ctx_mask = Tensor::from_vec(visible, (a, 1, 1, seen), dev)?;
         // `[a, b, in] x W[out, in]^T` as one flat matmul (no per-anchor copies of the weights).
-        let linear = |t: &Tensor, w: &Tensor| -> candle_core::Result<Tensor> {
+        let linear = |t: &Tensor, name: &str| -> candle_core::Result<Tensor> {
+            let w = self.weight(name)?;
             let (a, b, inp) = t.dims3()?;
             t.reshape((a * b, inp))?
                 .matmul(&w.t()?)?
@@ -254,30 +358,32 @@ impl Drafter {
         };
         let group = c.heads / c.kv_heads;
         // Repeats key/value heads for grouped-query attention: [kv, n, d] -> [heads, n, d].
-        let repeat = |t: Tensor, n: usize| -> candle_core::Result<Tensor> {
+        let repeat = |t: &Tensor, n: usize| -> candle_core::Result<Tensor> {
             if group == 1 {
-                return Ok(t);
+                return t.contiguous();
             }
             t.unsqueeze(1)?
                 .broadcast_as((c.kv_heads, group, n, d))?
                 .reshape((c.heads, n, d))
         };
         let scale = (d as f64).sqrt();
-        for i in 0..c.layers {
+        let rope = |t: &Tensor| -> candle_core::Result<Tensor> {
+            t.broadcast_mul(&cos_b)? + rotate_half(t)?.broadcast_mul(&sin_b)?
+        };
+        for (i, (kc, vc)) in context.iter().enumerate().take(c.layers) {
             let p = |n: &str| format!("layers.{i}.{n}");
-            let w = |n: &str| self.get(&p(n));
-            let hn = rms_norm(&x, w("input_layernorm.weight"), eps)?;
+            let hn = rms_norm(&x, self.get(&p("input_layernorm.weight")), eps)?;
             // Queries from the block [a, heads, b, d].
-            let q = linear(&hn, w("self_attn.q_proj.weight"))?.reshape((a, b, c.heads, d))?;
-            let q = rms_norm(&q, w("self_attn.q_norm.weight"), eps)?.transpose(1, 2)?;
-            let q = (q.broadcast_mul(&cos_b.unsqueeze(1)?)?
-                + rotate_half(&q)?.broadcast_mul(&sin_b.unsqueeze(1)?)?)?;
+            let q = linear(&hn, &p("self_attn.q_proj.weight"))?.reshape((a, b, c.heads, d))?;
+            let q = rope(
+                &rms_norm(&q, self.get(&p("self_attn.q_norm.weight")), eps)?.transpose(1, 2)?,
+            )?;
             // Keys and values of the block [a, heads, b, d].
-            let kb = linear(&hn, w("self_attn.k_proj.weight"))?.reshape((a, b, c.kv_heads, d))?;
-            let kb = rms_norm(&kb, w("self_attn.k_norm.weight"), eps)?.transpose(1, 2)?;
-            let kb = (kb.broadcast_mul(&cos_b.unsqueeze(1)?)?
-                + rotate_half(&kb)?.broadcast_mul(&sin_b.unsqueeze(1)?)?)?;
-            let vb = linear(&hn, w("self_attn.v_proj.weight"))?
+            let kb = linear(&hn, &p("self_attn.k_proj.weight"))?.reshape((a, b, c.kv_heads, d))?;
+            let kb = rope(
+                &rms_norm(&kb, self.get(&p("self_attn.k_norm.weight")), eps)?.transpose(1, 2)?,
+            )?;
+            let vb = linear(&hn, &p("self_attn.v_proj.weight"))?
                 .reshape((a, b, c.kv_heads, d))?
                 .transpose(1, 2)?;
             let rep_b = |t: Tensor| -> candle_core::Result<Tensor> {
@@ -289,66 +395,55 @@ impl Drafter {
                     .reshape((a, c.heads, b, d))
             };
             let (kb, vb) = (rep_b(kb)?, rep_b(vb)?);
-            // Keys and values of the context [heads, s, d], shared by every block.
-            let kc = ctx.matmul(&w("self_attn.k_proj.weight").t()?)?;
-            let vc = ctx.matmul(&w("self_attn.v_proj.weight").t()?)?;
-            let kc = rms_norm(
-                &kc.reshape((s, c.kv_heads, d))?,
-                w("self_attn.k_norm.weight"),
-                eps,
-            )?
-            .transpose(0, 1)?;
-            let kc = (kc.broadcast_mul(&cos_c.unsqueeze(0)?)?
-                + rotate_half(&kc)?.broadcast_mul(&sin_c.unsqueeze(0)?)?)?;
-            let vc = vc.reshape((s, c.kv_heads, d))?.transpose(0, 1)?;
-            let (kc, vc) = (repeat(kc, s)?.contiguous()?, repeat(vc, s)?.contiguous()?);
-            // Scores against the context, all blocks in one matmul per head: [a, heads, b, s].
+            // The context's keys and values [heads, seen, d], shared by every block.
+            let kc = repeat(&kc.narrow(1, 0, seen)?, seen)?;
+            let vc = repeat(&vc.narrow(1, 0, seen)?, seen)?;
+            // Scores against the context, all blocks in one matmul per head: [a, heads, b, seen],
+            // and against the block itself; the softmax in f32.
             let q = q.contiguous()?;
             let q_flat = q
                 .transpose(0, 1)?
                 .contiguous()?
                 .reshape((c.heads, a * b, d))?;
             let s_ctx = (q_flat.matmul(&kc.t()?)? / scale)?
-                .reshape((c.heads, a, b, s))?
+                .to_dtype(DType::F32)?
+                .reshape((c.heads, a, b, seen))?
                 .transpose(0, 1)?
                 .broadcast_add(&ctx_mask)?;
-            let s_blk = (q.matmul(&kb.t()?)? / scale)?;
+            let s_blk = (q.matmul(&kb.t()?)? / scale)?.to_dtype(DType::F32)?;
             let probs =
-                candle_nn::ops::softmax(&Tensor::cat(&[&s_ctx, &s_blk], D::Minus1)?, D::Minus1)?;
+                candle_nn::ops::softmax(&Tensor::cat(&[&s_ctx, &s_blk], D::Minus1)?, D::Minus1)?
+                    .to_dtype(cdt)?;
             let p_ctx = probs
-                .narrow(D::Minus1, 0, s)?
+                .narrow(D::Minus1, 0, seen)?
                 .transpose(0, 1)?
                 .contiguous()?
-                .reshape((c.heads, a * b, s))?;
+                .reshape((c.heads, a * b, seen))?;
             let attn_ctx = p_ctx
                 .matmul(&vc)?
                 .reshape((c.heads, a, b, d))?
                 .transpose(0, 1)?;
-            let attn_blk = probs.narrow(D::Minus1, s, b)?.contiguous()?.matmul(&vb)?;
+            let attn_blk = probs
+                .narrow(D::Minus1, seen, b)?
+                .contiguous()?
+                .matmul(&vb)?;
             let attn = (attn_ctx + attn_blk)?
                 .transpose(1, 2)?
                 .reshape((a, b, c.heads * d))?;
-            x = (x + linear(&attn, w("self_attn.o_proj.weight"))?)?;
-            let n = rms_norm(&x, w("post_attention_layernorm.weight"), eps)?;
-            let gate = linear(&n, w("mlp.gate_proj.weight"))?;
-            let up = linear(&n, w("mlp.up_proj.weight"))?;
+            x = (x + linear(&attn, &p("self_attn.o_proj.weight"))?)?;
+            let n = rms_norm(&x, self.get(&p("post_attention_layernorm.weight")), eps)?;
+            let gate = linear(&n, &p("mlp.gate_proj.weight"))?;
+            let up = linear(&n, &p("mlp.up_proj.weight"))?;
             let act = (gate.clone() * candle_nn::ops::sigmoid(&gate)?)?;
-            x = (x + linear(&(act * up)?, w("mlp.down_proj.weight"))?)?;
+            x = (x + linear(&(act * up)?, &p("mlp.down_proj.weight"))?)?;
         }
         let x = rms_norm(&x, self.get("norm.weight"), eps)?;
-        let logits = x.reshape((a * b, h))?.matmul(&lm_head.t()?)?;
+        let logits = x
+            .reshape((a * b, h))?
+            .matmul(&lm_head.to_dtype(cdt)?.t()?)?
+            .to_dtype(DType::F32)?;
         // Targets and weights: position k of block i predicts tokens[anchor + k].
-        let mut targets = Vec::with_capacity(a * b);
-        let mut weights = Vec::with_capacity(a * b);
-        for &anchor in anchors {
-            for k in 0..b {
-                let t = anchor + k;
-                let counted = k >= 1 && t < s && loss_mask[t] != 0;
-                targets.push(if t < s { tokens[t] } else { 0 });
-                let decay = gamma.map_or(1.0, |g| (-((k as f64) - 1.0) / g).exp());
-                weights.push(if counted { decay as f32 } else { 0.0 });
-            }
-        }
+        let (targets, weights) = targets_and_weights(tokens, loss_mask, anchors, b, gamma);
         let targets_t = Tensor::from_vec(targets.clone(), a * b, dev)?;
         let log_probs = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
         let picked = log_probs.gather(&targets_t.unsqueeze(1)?, 1)?.squeeze(1)?;
@@ -370,11 +465,228 @@ impl Drafter {
             accuracy: acc,
         })
     }
+
+    /// The gradients (aligned with [`Drafter::params`]) of `scale ×` one sequence's weighted
+    /// cross-entropy sum, and that sum's parts, with the blocks computed and back-propagated
+    /// `chunk` anchors at a time (`None`: all at once), so memory holds one chunk's activations
+    /// whatever the number of anchors.
+    ///
+    /// The context is computed once; each chunk back-propagates into a detached copy of it, the
+    /// copies' gradients are summed, and one last backward pass carries them through the context
+    /// into `fc`, the norms and the key/value projections: the gradient of the whole sequence,
+    /// equal to the unchunked one up to the order of float sums.
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "one sequence's inputs, each a different thing"
+    )]
+    pub fn backward(
+        &self,
+        features: &Tensor,
+        tokens: &[u32],
+        loss_mask: &[u8],
+        anchors: &[usize],
+        embedding: &Tensor,
+        lm_head: &Tensor,
+        gamma: Option<f64>,
+        scale: f64,
+        chunk: Option<usize>,
+    ) -> candle_core::Result<(Grads, SequenceLoss)> {
+        let vars: Vec<Var> = self.params.iter().map(|p| p.var.clone()).collect();
+        let context = self.context(features)?;
+        let mut total = SequenceLoss {
+            sum: 0.0,
+            weight: 0.0,
+            accuracy: vec![(0, 0); self.config.block_size],
+        };
+        let mut add_parts = |parts: &LossParts| -> candle_core::Result<()> {
+            total.sum += f64::from(parts.sum.to_dtype(DType::F32)?.to_scalar::<f32>()?);
+            total.weight += parts.weight;
+            for (t, p) in total.accuracy.iter_mut().zip(&parts.accuracy) {
+                t.0 += p.0;
+                t.1 += p.1;
+            }
+            Ok(())
+        };
+        let chunk = chunk.unwrap_or(usize::MAX).max(1);
+        if anchors.len() <= chunk {
+            let parts = self.blocks(
+                &context, tokens, loss_mask, anchors, embedding, lm_head, gamma,
+            )?;
+            add_parts(&parts)?;
+            let grads = grads_of(&(parts.sum * scale)?.backward()?, &vars);
+            return Ok((grads, total));
+        }
+        let leaves = context
+            .iter()
+            .map(|(k, v)| {
+                Ok((
+                    Var::from_tensor(&k.detach())?,
+                    Var::from_tensor(&v.detach())?,
+                ))
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let detached: Vec<(Tensor, Tensor)> = leaves
+            .iter()
+            .map(|(k, v)| (k.as_tensor().clone(), v.as_tensor().clone()))
+            .collect();
+        let mut grads = None;
+        let mut context_grads: Vec<[Option<Tensor>; 2]> = vec![[None, None]; context.len()];
+        for part in anchors.chunks(chunk) {
+            let parts = self.blocks(
+                &detached, tokens, loss_mask, part, embedding, lm_head, gamma,
+            )?;
+            add_parts(&parts)?;
+            let store = (parts.sum * scale)?.backward()?;
+            add_grads(&mut grads, grads_of(&store, &vars))?;
+            for ((k, v), sums) in leaves.iter().zip(&mut context_grads) {
+                for (leaf, sum) in [k, v].into_iter().zip(sums.iter_mut()) {
+                    if let Some(g) = store.get(leaf.as_tensor()) {
+                        *sum = Some(match sum.take() {
+                            None => g.clone(),
+                            Some(s) => (s + g)?,
+                        });
+                    }
+                }
+            }
+        }
+        // Through the context once: d/dθ Σ <context(θ), its summed gradient>.
+        let mut surrogate: Option<Tensor> = None;
+        for ((k, v), [gk, gv]) in context.iter().zip(&context_grads) {
+            for (t, g) in [(k, gk), (v, gv)] {
+                if let Some(g) = g {
+                    let term = (t * g)?.to_dtype(DType::F32)?.sum_all()?;
+                    surrogate = Some(match surrogate {
+                        None => term,
+                        Some(s) => (s + term)?,
+                    });
+                }
+            }
+        }
+        if let Some(s) = surrogate {
+            add_grads(&mut grads, grads_of(&s.backward()?, &vars))?;
+        }
+        Ok((grads.unwrap_or_else(|| vec![None; vars.len()]), total))
+    }
+}
+
+/// One micro-batch's loss and predictions, after [`Drafter::micro_batch`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct MicroBatchLoss {
+    /// The weighted mean cross-entropy over the micro-batch's counted positions (0 when none).
+    pub loss: f64,
+    /// The sum of the weights (0: nothing to learn from; no gradient).
+    pub weight: f64,
+    /// Blocks trained.
+    pub anchors: u32,
+    /// Per block position: correct and counted predictions.
+    pub correct: Vec<u32>,
+    pub counted: Vec<u32>,
+}
+
+impl Drafter {
+    /// The training step's forward and backward passes over one micro-batch: `sequences` are
+    /// the rows of `features` (and indices into `tokens` and `loss_mask`) of each sequence with
+    /// its anchors. The loss is the mean over all the micro-batch's weighted positions, so each
+    /// sequence's gradient is scaled by the micro-batch's total weight (known before any block
+    /// runs) and by `1 / accum`; sequences are back-propagated one at a time, `chunk` anchors at
+    /// a time. Returns the summed gradients (`None` when nothing was counted) and the loss.
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "one micro-batch's inputs, each a different thing"
+    )]
+    pub fn micro_batch(
+        &self,
+        features: &Tensor,
+        tokens: &[u32],
+        loss_mask: &[u8],
+        sequences: &[(std::ops::Range<usize>, Vec<usize>)],
+        embedding: &Tensor,
+        lm_head: &Tensor,
+        gamma: Option<f64>,
+        chunk: Option<usize>,
+        accum: usize,
+    ) -> candle_core::Result<(Option<Grads>, MicroBatchLoss)> {
+        let block = self.config.block_size;
+        let weight: f64 = sequences
+            .iter()
+            .map(|(range, anchors)| self.loss_weight(&loss_mask[range.clone()], anchors, gamma))
+            .sum();
+        let mut out = MicroBatchLoss {
+            loss: 0.0,
+            weight,
+            anchors: 0,
+            correct: vec![0; block],
+            counted: vec![0; block],
+        };
+        if weight <= 0.0 {
+            return Ok((None, out));
+        }
+        let scale = 1.0 / (weight * accum.max(1) as f64);
+        let mut grads = None;
+        let mut sum = 0.0;
+        for (range, anchors) in sequences {
+            let (g, parts) = self.backward(
+                &features.narrow(0, range.start, range.len())?,
+                &tokens[range.clone()],
+                &loss_mask[range.clone()],
+                anchors,
+                embedding,
+                lm_head,
+                gamma,
+                scale,
+                chunk,
+            )?;
+            add_grads(&mut grads, g)?;
+            out.anchors += anchors.len() as u32;
+            sum += parts.sum;
+            for (k, (c, n)) in parts.accuracy.into_iter().enumerate() {
+                out.correct[k] += c;
+                out.counted[k] += n;
+            }
+        }
+        out.loss = sum / weight;
+        Ok((grads, out))
+    }
+}
+
+/// One sequence's loss after [`Drafter::backward`]: the weighted cross-entropy sum (unscaled),
+/// the sum of the weights, and per block position (correct, counted) predictions.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SequenceLoss {
+    pub sum: f64,
+    pub weight: f64,
+    pub accuracy: Vec<(u32, u32)>,
+}
+
+/// Per block position, the token it predicts and its loss weight: position k of the block at
+/// `anchor` predicts `tokens[anchor + k]`, counted when k >= 1, inside the sequence and masked
+/// in, weighted `exp(-(k - 1) / gamma)` (1 without gamma).
+fn targets_and_weights(
+    tokens: &[u32],
+    loss_mask: &[u8],
+    anchors: &[usize],
+    block: usize,
+    gamma: Option<f64>,
+) -> (Vec<u32>, Vec<f32>) {
+    let s = tokens.len();
+    let mut targets = Vec::with_capacity(anchors.len() * block);
+    let mut weights = Vec::with_capacity(anchors.len() * block);
+    for &anchor in anchors {
+        for k in 0..block {
+            let t = anchor + k;
+            let counted = k >= 1 && t < s && loss_mask[t] != 0;
+            targets.push(if t < s { tokens[t] } else { 0 });
+            let decay = gamma.map_or(1.0, |g| (-((k as f64) - 1.0) / g).exp());
+            weights.push(if counted { decay as f32 } else { 0.0 });
+        }
+    }
+    (targets, weights)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::train::grads_of;
 
     fn setup() -> (Drafter, Tensor, Tensor, Tensor, Vec<u32>, Vec<u8>) {
         let dev = Device::Cpu;
@@ -508,6 +820,159 @@ mod tests {
         }
         let (first, last) = (losses[0] + losses[1], losses[78] + losses[79]);
         assert!(last < 0.5 * first, "loss {first} -> {last}");
+    }
+
+    fn grads_close(a: &Grads, b: &Grads, drafter: &Drafter, what: &str) {
+        for ((x, y), p) in a.iter().zip(b).zip(&drafter.params) {
+            let (x, y) = (x.as_ref().unwrap(), y.as_ref().unwrap());
+            let diff = (x - y)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .max(0)
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert!(diff < 1e-5, "{what}: {} differs by {diff}", p.name);
+        }
+    }
+
+    /// The anchors in chunks (any size, the last one partial, one anchor per chunk) give the
+    /// gradient of all anchors at once, and of the one-graph loss: within 1e-5 in f32.
+    #[test]
+    fn chunked_gradients_equal_the_unchunked_ones() {
+        let (drafter, features, embedding, lm_head, tokens, mask) = setup();
+        let anchors = [2usize, 3, 5, 7, 9, 10];
+        let vars: Vec<Var> = drafter.params.iter().map(|p| p.var.clone()).collect();
+        // The reference: one graph, the mean's gradient.
+        let (loss, _) = drafter
+            .loss(
+                &features,
+                &tokens,
+                &mask,
+                &anchors,
+                &embedding,
+                &lm_head,
+                Some(7.0),
+            )
+            .unwrap();
+        let want = grads_of(&loss.backward().unwrap(), &vars);
+        let weight = drafter.loss_weight(&mask, &anchors, Some(7.0));
+        for chunk in [None, Some(6), Some(4), Some(2), Some(1)] {
+            let (got, parts) = drafter
+                .backward(
+                    &features,
+                    &tokens,
+                    &mask,
+                    &anchors,
+                    &embedding,
+                    &lm_head,
+                    Some(7.0),
+                    1.0 / weight,
+                    chunk,
+                )
+                .unwrap();
+            assert!((parts.weight - weight).abs() < 1e-5 * weight);
+            let mean = parts.sum / parts.weight;
+            let expected = f64::from(loss.to_scalar::<f32>().unwrap());
+            assert!(
+                (mean - expected).abs() < 1e-5,
+                "{chunk:?}: {mean} vs {expected}"
+            );
+            grads_close(&want, &got, &drafter, &format!("chunk {chunk:?}"));
+        }
+    }
+
+    /// A micro-batch of several sequences, chunked, gives the gradient of the mean over all its
+    /// weighted positions computed in one graph, scaled by 1 / accum.
+    #[test]
+    fn a_chunked_micro_batch_equals_the_one_graph_mean() {
+        let (drafter, features, embedding, lm_head, tokens, mask) = setup();
+        // Two sequences of 6 tokens each in one micro-batch.
+        let sequences = vec![(0..6, vec![2usize, 3, 4]), (6..12, vec![0usize, 1, 3])];
+        let vars: Vec<Var> = drafter.params.iter().map(|p| p.var.clone()).collect();
+        let (mut sum, mut weight) = (None::<Tensor>, 0.0);
+        for (range, anchors) in &sequences {
+            let parts = drafter
+                .loss_parts(
+                    &features.narrow(0, range.start, range.len()).unwrap(),
+                    &tokens[range.clone()],
+                    &mask[range.clone()],
+                    anchors,
+                    &embedding,
+                    &lm_head,
+                    None,
+                )
+                .unwrap();
+            weight += parts.weight;
+            sum = Some(match sum {
+                None => parts.sum,
+                Some(s) => (s + parts.sum).unwrap(),
+            });
+        }
+        let mean = (sum.unwrap() / (weight * 2.0)).unwrap();
+        let want = grads_of(&mean.backward().unwrap(), &vars);
+        let (got, batch) = drafter
+            .micro_batch(
+                &features,
+                &tokens,
+                &mask,
+                &sequences,
+                &embedding,
+                &lm_head,
+                None,
+                Some(2),
+                2,
+            )
+            .unwrap();
+        assert_eq!(batch.anchors, 6);
+        assert!((batch.weight - weight).abs() < 1e-9);
+        grads_close(&want, &got.unwrap(), &drafter, "micro-batch");
+    }
+
+    /// In bf16 the forward pass runs (f32 masters, bf16 compute) and its loss and gradients stay
+    /// close to f32's.
+    #[test]
+    fn bf16_compute_keeps_f32_masters_and_tracks_f32() {
+        let (drafter, features, embedding, lm_head, tokens, mask) = setup();
+        let anchors = [2usize, 5, 9];
+        let (f32_loss, _) = drafter
+            .loss(
+                &features, &tokens, &mask, &anchors, &embedding, &lm_head, None,
+            )
+            .unwrap();
+        let bf = Drafter::new(drafter.config.clone(), 7, &Device::Cpu)
+            .unwrap()
+            .with_compute(DType::BF16);
+        let to_bf = |t: &Tensor| t.to_dtype(DType::BF16).unwrap();
+        let (bf_loss, _) = bf
+            .loss(
+                &to_bf(&features),
+                &tokens,
+                &mask,
+                &anchors,
+                &to_bf(&embedding),
+                &to_bf(&lm_head),
+                None,
+            )
+            .unwrap();
+        let (a, b) = (
+            f32_loss.to_scalar::<f32>().unwrap(),
+            bf_loss
+                .to_dtype(DType::F32)
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap(),
+        );
+        assert!((a - b).abs() / a < 2e-2, "f32 {a} vs bf16 {b}");
+        let grads = bf_loss.backward().unwrap();
+        for p in &bf.params {
+            assert_eq!(p.var.dtype(), DType::F32, "{} stays an f32 master", p.name);
+            let g = grads.get(p.var.as_tensor()).expect("a gradient");
+            assert_eq!(g.dtype(), DType::F32);
+        }
     }
 
     #[test]

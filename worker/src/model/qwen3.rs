@@ -10,7 +10,7 @@
 
 use std::path::{Path, PathBuf};
 
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{D, DType, Device, Module, Tensor};
 use candle_nn::{Embedding, Linear, RmsNorm, VarBuilder};
 
 use super::rotate_half;
@@ -73,7 +73,25 @@ struct Layer {
     down: Linear,
 }
 
-/// A Qwen3 target model (weights memory-mapped).
+/// How a Qwen3 computes attention.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttentionMode {
+    /// Dense scores for small batches, tiles otherwise (see [`DENSE_MAX_SCORES`]).
+    Auto,
+    /// `[rows, heads, s, s]` scores and masks at once: only for short inputs.
+    Dense,
+    /// Tiles of `n` queries against tiles of `n` keys, online softmax, per segment.
+    Tiled(usize),
+}
+
+/// Query and key tile length of the tiled attention.
+pub const ATTENTION_TILE: usize = 512;
+
+/// Largest `rows × heads × s × s` that [`AttentionMode::Auto`] computes densely (64 MiB of f32
+/// scores); above it attention runs in tiles, so memory stays linear in the tokens of a batch.
+pub const DENSE_MAX_SCORES: usize = 16 << 20;
+
+/// A Qwen3 target model.
 pub struct Qwen3 {
     pub config: Qwen3Config,
     embed: Embedding,
@@ -81,6 +99,8 @@ pub struct Qwen3 {
     norm: RmsNorm,
     inv_freq: Tensor,
     device: Device,
+    dtype: DType,
+    attention: AttentionMode,
 }
 
 fn linear(vb: &VarBuilder, out: usize, inp: usize, name: &str) -> candle_core::Result<Linear> {
@@ -95,12 +115,19 @@ fn norm(vb: &VarBuilder, size: usize, name: &str, eps: f64) -> candle_core::Resu
 }
 
 impl Qwen3 {
-    /// Loads the model in `dir`, running at most `layers` decoder layers (`None`: all).
-    pub fn load(dir: &Path, layers: Option<usize>, device: &Device) -> Result<Self, ModelError> {
+    /// Loads the model in `dir`, running at most `layers` decoder layers (`None`: all), with its
+    /// weights and activations in `dtype` (a checkpoint stored in that dtype is not converted;
+    /// attention scores and softmax are computed in f32 whatever the dtype).
+    pub fn load(
+        dir: &Path,
+        layers: Option<usize>,
+        device: &Device,
+        dtype: DType,
+    ) -> Result<Self, ModelError> {
         let config = read_config(dir)?;
         let files = weight_files(dir)?;
         // SAFETY: the weight files are read-only inputs, not modified while the model lives.
-        let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, DType::F32, device) }
+        let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, dtype, device) }
             .map_err(|e| invalid(dir, format!("cannot map the weights: {e}")))?;
         let c = &config;
         let (h, hd) = (c.hidden_size, c.head_dim());
@@ -154,7 +181,19 @@ impl Qwen3 {
             norm: final_norm,
             inv_freq,
             device: device.clone(),
+            dtype,
+            attention: AttentionMode::Auto,
         })
+    }
+
+    /// Chooses how attention is computed (tests compare the modes).
+    pub fn set_attention(&mut self, mode: AttentionMode) {
+        self.attention = mode;
+    }
+
+    /// The dtype of the weights and activations.
+    pub fn dtype(&self) -> DType {
+        self.dtype
     }
 
     /// Hidden states `indices` (each in `0..=num_hidden_layers`, within the loaded layers) of a
@@ -182,30 +221,54 @@ impl Qwen3 {
             });
         }
         let (b, s) = tokens.dims2()?;
-        // Rotary tables per token: [b, s, head_dim / 2] angles.
+        // Rotary tables per token: [b, 1, s, head_dim] in the model's dtype.
         let angles = positions
             .to_dtype(DType::F32)?
             .unsqueeze(2)?
             .broadcast_mul(&self.inv_freq.reshape((1, 1, ()))?)?;
-        let cos = Tensor::cat(&[&angles.cos()?, &angles.cos()?], 2)?.unsqueeze(1)?;
-        let sin = Tensor::cat(&[&angles.sin()?, &angles.sin()?], 2)?.unsqueeze(1)?;
-        // Mask [b, 1, s, s]: 0 where allowed, -inf elsewhere.
-        let seg_q = segments.unsqueeze(2)?;
-        let seg_k = segments.unsqueeze(1)?;
-        let same = seg_q.broadcast_eq(&seg_k)?;
-        let idx = Tensor::arange(0u32, s as u32, &self.device)?;
-        let causal = idx.unsqueeze(1)?.broadcast_ge(&idx.unsqueeze(0)?)?;
-        let allowed = same.broadcast_mul(&causal.unsqueeze(0)?)?;
-        let zeros = Tensor::zeros((b, s, s), DType::F32, &self.device)?;
-        let neg = Tensor::full(f32::NEG_INFINITY, (b, s, s), &self.device)?;
-        let mask = allowed.where_cond(&zeros, &neg)?.unsqueeze(1)?;
-
+        let cos = Tensor::cat(&[&angles.cos()?, &angles.cos()?], 2)?
+            .unsqueeze(1)?
+            .to_dtype(self.dtype)?;
+        let sin = Tensor::cat(&[&angles.sin()?, &angles.sin()?], 2)?
+            .unsqueeze(1)?
+            .to_dtype(self.dtype)?;
+        let heads = self.config.num_attention_heads;
+        let dense = match self.attention {
+            AttentionMode::Dense => true,
+            AttentionMode::Tiled(_) => false,
+            AttentionMode::Auto => b
+                .saturating_mul(heads)
+                .saturating_mul(s)
+                .saturating_mul(s)
+                .le(&DENSE_MAX_SCORES),
+        };
+        let limits = if dense {
+            // Mask [b, 1, s, s]: 0 where allowed, -inf elsewhere.
+            let seg_q = segments.unsqueeze(2)?;
+            let seg_k = segments.unsqueeze(1)?;
+            let same = seg_q.broadcast_eq(&seg_k)?;
+            let idx = Tensor::arange(0u32, s as u32, &self.device)?;
+            let causal = idx.unsqueeze(1)?.broadcast_ge(&idx.unsqueeze(0)?)?;
+            let allowed = same.broadcast_mul(&causal.unsqueeze(0)?)?;
+            let zeros = Tensor::zeros((b, s, s), DType::F32, &self.device)?;
+            let neg = Tensor::full(f32::NEG_INFINITY, (b, s, s), &self.device)?;
+            Limits::Mask(allowed.where_cond(&zeros, &neg)?.unsqueeze(1)?)
+        } else {
+            let tile = match self.attention {
+                AttentionMode::Tiled(n) => n.max(1),
+                _ => ATTENTION_TILE,
+            };
+            Limits::Runs {
+                runs: segment_runs(&segments.to_device(&Device::Cpu)?.to_vec2::<u32>()?),
+                tile,
+            }
+        };
         let mut x = self.embed.forward(tokens)?;
         let mut out = Vec::with_capacity(indices.len());
         let mut states = vec![None; last + 1];
         states[0] = Some(x.clone());
         for (i, layer) in self.layers.iter().enumerate().take(last.min(full)) {
-            x = layer.forward(&x, &cos, &sin, &mask)?;
+            x = layer.forward(&x, &cos, &sin, &limits)?;
             let k = i + 1;
             if k <= last {
                 states[k] = Some(if k == full {
@@ -228,11 +291,11 @@ impl Layer {
         x: &Tensor,
         cos: &Tensor,
         sin: &Tensor,
-        mask: &Tensor,
+        limits: &Limits,
     ) -> candle_core::Result<Tensor> {
         let h = self
             .attention
-            .forward(&self.input_norm.forward(x)?, cos, sin, mask)?;
+            .forward(&self.input_norm.forward(x)?, cos, sin, limits)?;
         let x = (x + h)?;
         let n = self.post_norm.forward(&x)?;
         let mlp = self
@@ -248,7 +311,7 @@ impl Attention {
         x: &Tensor,
         cos: &Tensor,
         sin: &Tensor,
-        mask: &Tensor,
+        limits: &Limits,
     ) -> candle_core::Result<Tensor> {
         let (b, s, _) = x.dims3()?;
         let d = self.head_dim;
@@ -275,22 +338,141 @@ impl Attention {
                 .broadcast_as((b, self.kv_heads, group, s, d))?
                 .reshape((b, self.heads, s, d))
         };
-        let (k, v) = (repeat(k)?, repeat(v)?);
-        let scores = (q.matmul(&k.t()?)? / (d as f64).sqrt())?.broadcast_add(mask)?;
-        let probs = candle_nn::ops::softmax_last_dim(&scores)?;
-        let attn = probs.matmul(&v.contiguous()?)?;
+        let attn = match limits {
+            Limits::Mask(mask) => {
+                let (k, v) = (repeat(k)?, repeat(v)?);
+                let f32 = |t: &Tensor| t.to_dtype(DType::F32);
+                let scores =
+                    (f32(&q)?.matmul(&f32(&k)?.t()?)? / (d as f64).sqrt())?.broadcast_add(mask)?;
+                let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+                probs.matmul(&f32(&v)?.contiguous()?)?.to_dtype(q.dtype())?
+            }
+            Limits::Runs { runs, tile } => {
+                let mut rows = Vec::with_capacity(b);
+                for (r, row_runs) in runs.iter().enumerate() {
+                    let (qr, kr, vr) = (q.get(r)?, k.get(r)?, v.get(r)?);
+                    let mut pieces = Vec::with_capacity(row_runs.len());
+                    for &(start, len) in row_runs {
+                        pieces.push(tiled_causal(
+                            &qr.narrow(1, start, len)?,
+                            &kr.narrow(1, start, len)?,
+                            &vr.narrow(1, start, len)?,
+                            *tile,
+                        )?);
+                    }
+                    rows.push(Tensor::cat(&pieces, 1)?);
+                }
+                Tensor::stack(&rows, 0)?
+            }
+        };
         let merged = attn.transpose(1, 2)?.reshape((b, s, self.heads * d))?;
         self.o.forward(&merged)
     }
 }
 
-/// The target's frozen embedding and output head (`[vocab, hidden]` each; the embedding twice
-/// when the model ties them), for the drafter.
-pub fn load_heads(dir: &Path, device: &Device) -> Result<(Tensor, Tensor), ModelError> {
+/// Where each token may look: a dense additive mask `[b, 1, s, s]`, or per row the runs of equal
+/// segment id (`(start, len)`, covering the row) for the tiled attention.
+enum Limits {
+    Mask(Tensor),
+    Runs {
+        runs: Vec<Vec<(usize, usize)>>,
+        tile: usize,
+    },
+}
+
+/// Per row, the maximal runs of equal segment id as `(start, len)`. A segment must be one
+/// contiguous run of its row (as packed and padded batches lay them out).
+fn segment_runs(segments: &[Vec<u32>]) -> Vec<Vec<(usize, usize)>> {
+    segments
+        .iter()
+        .map(|row| {
+            let mut runs: Vec<(usize, usize)> = Vec::new();
+            for (i, &id) in row.iter().enumerate() {
+                match runs.last_mut() {
+                    Some((start, len)) if row[*start] == id => *len += 1,
+                    _ => runs.push((i, 1)),
+                }
+            }
+            runs
+        })
+        .collect()
+}
+
+/// Causal attention of one sequence in tiles, flash-attention style: `q` is `[heads, n, d]`,
+/// `k` and `v` are `[kv_heads, n, d]` (grouped-query attention without copying them per head).
+/// Each tile of `tile` queries meets the key tiles up to its own, with a running maximum and sum
+/// (online softmax), so no `[n, n]` score or mask is ever built: memory is `heads × tile²`
+/// scores whatever `n`. Computed in f32; returns `[heads, n, d]` in `q`'s dtype.
+fn tiled_causal(q: &Tensor, k: &Tensor, v: &Tensor, tile: usize) -> candle_core::Result<Tensor> {
+    let (heads, n, d) = q.dims3()?;
+    let kv = k.dim(0)?;
+    let group = heads / kv;
+    let dtype = q.dtype();
+    let f32 = |t: &Tensor| t.to_dtype(DType::F32);
+    let scale = 1.0 / (d as f64).sqrt();
+    // [kv, group, n, d]: the queries of a key/value head side by side.
+    let q = f32(q)?.reshape((kv, group, n, d))?;
+    let (k, v) = (f32(k)?, f32(v)?);
+    let mut out = Vec::with_capacity(n.div_ceil(tile));
+    for qi in (0..n).step_by(tile) {
+        let tq = tile.min(n - qi);
+        let qt = (q.narrow(2, qi, tq)?.reshape((kv, group * tq, d))? * scale)?;
+        let mut state: Option<(Tensor, Tensor, Tensor)> = None;
+        for kj in (0..=qi).step_by(tile) {
+            let tk = tile.min(n - kj);
+            let kt = k.narrow(1, kj, tk)?;
+            let mut scores = qt.matmul(&kt.t()?)?;
+            if kj == qi {
+                // The diagonal tile: query qi + a sees key kj + c when c <= a.
+                let mask: Vec<f32> = (0..group)
+                    .flat_map(|_| {
+                        (0..tq).flat_map(move |a| {
+                            (0..tk).map(move |c| if c <= a { 0.0 } else { f32::NEG_INFINITY })
+                        })
+                    })
+                    .collect();
+                let mask = Tensor::from_vec(mask, (1, group * tq, tk), q.device())?;
+                scores = scores.broadcast_add(&mask)?;
+            }
+            let tile_max = scores.max_keepdim(D::Minus1)?;
+            let vt = v.narrow(1, kj, tk)?;
+            state = Some(match state {
+                None => {
+                    let p = scores.broadcast_sub(&tile_max)?.exp()?;
+                    let sum = p.sum_keepdim(D::Minus1)?;
+                    (tile_max, sum, p.matmul(&vt)?)
+                }
+                Some((max, sum, acc)) => {
+                    let new_max = max.maximum(&tile_max)?;
+                    let p = scores.broadcast_sub(&new_max)?.exp()?;
+                    let fix = (max - &new_max)?.exp()?;
+                    let sum = ((sum * &fix)? + p.sum_keepdim(D::Minus1)?)?;
+                    let acc = (acc.broadcast_mul(&fix)? + p.matmul(&vt)?)?;
+                    (new_max, sum, acc)
+                }
+            });
+        }
+        let (_, sum, acc) = state.expect("the diagonal tile is always visited");
+        out.push(
+            acc.broadcast_div(&sum)?
+                .reshape((kv, group, tq, d))?
+                .reshape((heads, tq, d))?,
+        );
+    }
+    Tensor::cat(&out, 1)?.to_dtype(dtype)
+}
+
+/// The target's frozen embedding and output head (`[vocab, hidden]` each, in `dtype`; the
+/// embedding twice when the model ties them), for the drafter.
+pub fn load_heads(
+    dir: &Path,
+    device: &Device,
+    dtype: DType,
+) -> Result<(Tensor, Tensor), ModelError> {
     let config = read_config(dir)?;
     let files = weight_files(dir)?;
     // SAFETY: the weight files are read-only inputs, not modified while the tensors live.
-    let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, DType::F32, device) }
+    let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, dtype, device) }
         .map_err(|e| invalid(dir, format!("cannot map the weights: {e}")))?;
     let shape = (config.vocab_size, config.hidden_size);
     let missing =
@@ -304,4 +486,87 @@ pub fn load_heads(dir: &Path, device: &Device) -> Result<(Tensor, Tensor), Model
         vb.get(shape, "lm_head.weight").map_err(missing)?
     };
     Ok((embedding, lm_head))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rng::SplitMix64;
+
+    fn randn(shape: (usize, usize, usize), seed: u64) -> Tensor {
+        let mut rng = SplitMix64(seed);
+        let n = shape.0 * shape.1 * shape.2;
+        let v: Vec<f32> = (0..n).map(|_| rng.normal() as f32).collect();
+        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    }
+
+    /// Causal attention of one sequence with dense scores: the reference.
+    fn dense(q: &Tensor, k: &Tensor, v: &Tensor) -> Tensor {
+        let (heads, n, d) = q.dims3().unwrap();
+        let kv = k.dim(0).unwrap();
+        let group = heads / kv;
+        let repeat = |t: &Tensor| {
+            t.unsqueeze(1)
+                .unwrap()
+                .broadcast_as((kv, group, n, d))
+                .unwrap()
+                .reshape((heads, n, d))
+                .unwrap()
+        };
+        let mask: Vec<f32> = (0..n)
+            .flat_map(|i| (0..n).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY }))
+            .collect();
+        let mask = Tensor::from_vec(mask, (1, n, n), &Device::Cpu).unwrap();
+        let scores = (q.matmul(&repeat(k).t().unwrap()).unwrap() / (d as f64).sqrt())
+            .unwrap()
+            .broadcast_add(&mask)
+            .unwrap();
+        candle_nn::ops::softmax_last_dim(&scores)
+            .unwrap()
+            .matmul(&repeat(v))
+            .unwrap()
+    }
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+        (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+    }
+
+    /// Tiles equal dense attention within 1e-5: lengths below, at, just above and far above the
+    /// tile (the last tile partial), a single token, grouped-query and plain heads.
+    #[test]
+    fn tiled_attention_equals_dense() {
+        for (heads, kv) in [(4, 2), (4, 4), (6, 1)] {
+            for (n, tile) in [(1, 4), (3, 4), (4, 4), (5, 4), (37, 8), (64, 16), (50, 7)] {
+                let seed = (heads * 1000 + kv * 100 + n * 10 + tile) as u64;
+                let q = randn((heads, n, 8), seed);
+                let k = randn((kv, n, 8), seed + 1);
+                let v = randn((kv, n, 8), seed + 2);
+                let want = dense(&q, &k, &v);
+                let got = tiled_causal(&q, &k, &v, tile).unwrap();
+                let diff = max_diff(&want, &got);
+                assert!(
+                    diff < 1e-5,
+                    "heads {heads}/{kv}, n {n}, tile {tile}: {diff}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn segment_runs_cover_each_row() {
+        let rows = vec![vec![0, 0, 1, 1, 1, 7], vec![u32::MAX; 3], vec![2]];
+        assert_eq!(
+            segment_runs(&rows),
+            vec![vec![(0, 2), (2, 3), (5, 1)], vec![(0, 3)], vec![(0, 1)]]
+        );
+    }
 }

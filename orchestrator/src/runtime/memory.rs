@@ -1,0 +1,408 @@
+//! The memory plan of a DFlash run: each worker's peak memory by arithmetic from the target's
+//! shape, the drafter, the token budget, the dtypes and the longest sequence, what `launch
+//! --dry-run` prints and what a real launch checks against the GPUs' memory.
+//!
+//! The figures follow what the worker's code keeps alive at its worst moment (see
+//! `worker/src/model/qwen3.rs` and `drafter.rs`): a target worker's peak is inside one decoder
+//! layer (the MLP's four `[tokens, intermediate]` tensors) plus the hidden states it keeps for the
+//! features; a drafter's is one chunk of anchors' blocks, whose attention scores
+//! (`anchors × block × heads × context` f32, kept for the backward pass) and logits dominate.
+//! Every term is linear in the batch's tokens; none is `tokens²`.
+
+use serde::Serialize;
+
+use dflash_common::dflash::{DflashSettings, Qwen3Config};
+
+/// The bytes of one chunk's activations that `--anchor-chunk auto` aims at, on a GPU.
+pub const GPU_CHUNK_BYTES: u64 = 12 << 30;
+/// The same on a CPU worker.
+pub const CPU_CHUNK_BYTES: u64 = 1 << 30;
+
+/// f32 copies of a block's attention scores alive at once in the drafter (the scores, scaled,
+/// masked, concatenated with the block's own, the softmax's shifted, exponentiated and
+/// normalised forms, the context part made contiguous; the backward pass adds a few more).
+const SCORE_COPIES: u64 = 11;
+/// f32 copies of a block's logits alive at once (logits, log-softmax's intermediates, its
+/// gradient).
+const LOGIT_COPIES: u64 = 7;
+/// `[tokens, hidden]`-sized activations a drafter layer keeps per block token for backward
+/// (norms, projections, rotary, residuals, MLP in and out).
+const DRAFTER_HIDDEN_COPIES: u64 = 24;
+/// `[tokens, intermediate]`-sized ones (gate, its sigmoid and product, up, their product).
+const DRAFTER_MLP_COPIES: u64 = 6;
+/// `[tokens, hidden]`-sized tensors alive in a target layer besides the MLP (the residual, the
+/// normed input, the attention's output and its projection).
+const TARGET_HIDDEN_COPIES: u64 = 4;
+/// `[tokens, intermediate]`-sized ones (gate, its SiLU, up, their product).
+const TARGET_MLP_COPIES: u64 = 4;
+/// `[tokens, heads × head_dim]`-sized ones around attention (queries, keys and values through
+/// norm and rotary, their f32 copies per segment, the output tiles and their concatenation).
+const TARGET_QKV_COPIES: u64 = 10;
+/// f32 `[heads, tile, tile]` tensors alive in one tile step (scores, masked, shifted, exp).
+const TILE_COPIES: u64 = 4;
+/// A worker process's own baseline (code, allocator, threads, candle's kernels).
+const BASELINE: u64 = 64 << 20;
+
+/// One worker's memory at its peak, by what holds it, in bytes.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct WorkerPlan {
+    pub role: &'static str,
+    /// Model weights on the worker's device (the target's layers it runs; the drafter's f32
+    /// masters, their compute-dtype copies and the target's embedding and lm_head).
+    pub weights: u64,
+    /// Activations at the worst moment of a batch (a target layer; a drafter chunk).
+    pub activations: u64,
+    /// Attention's working set: score tiles (target) or a chunk's scores (drafter).
+    pub attention: u64,
+    /// Features: the target's kept hidden states and their copy out; the drafter's batch in.
+    pub features: u64,
+    /// Gradients and AdamW's two moments (drafter).
+    pub optimiser: u64,
+    /// The sum: the worker's peak on its device.
+    pub total: u64,
+}
+
+impl WorkerPlan {
+    fn sum(mut self) -> Self {
+        self.total =
+            self.weights + self.activations + self.attention + self.features + self.optimiser;
+        self
+    }
+}
+
+/// Shapes the plan needs.
+struct Shape {
+    hidden: u64,
+    inter: u64,
+    heads: u64,
+    kv_heads: u64,
+    head_dim: u64,
+    vocab: u64,
+}
+
+impl Shape {
+    fn of(t: &Qwen3Config) -> Self {
+        Self {
+            hidden: t.hidden_size as u64,
+            inter: t.intermediate_size as u64,
+            heads: t.num_attention_heads as u64,
+            kv_heads: t.num_key_value_heads as u64,
+            head_dim: t.head_dim() as u64,
+            vocab: t.vocab_size as u64,
+        }
+    }
+
+    /// Elements of one decoder layer's weights.
+    fn layer_params(&self) -> u64 {
+        let (h, q, kv) = (
+            self.hidden,
+            self.heads * self.head_dim,
+            self.kv_heads * self.head_dim,
+        );
+        h * q + 2 * h * kv + q * h + 3 * h * self.inter + 2 * h + 2 * self.head_dim
+    }
+}
+
+/// A target worker at `budget` tokens per batch.
+pub fn target_worker(target: &Qwen3Config, s: &DflashSettings, budget: u64) -> WorkerPlan {
+    let sh = Shape::of(target);
+    let e = s.dtype.bytes();
+    let layers = s.target_layers_needed() as u64;
+    let kept = s.target_layer_ids.len() as u64;
+    let tile = 512u64;
+    WorkerPlan {
+        role: "target",
+        weights: (sh.vocab * sh.hidden + layers * sh.layer_params() + sh.hidden) * e,
+        activations: budget
+            * (TARGET_HIDDEN_COPIES * sh.hidden * e
+                + TARGET_MLP_COPIES * sh.inter * e
+                + TARGET_QKV_COPIES * sh.heads * sh.head_dim * 4),
+        attention: TILE_COPIES * sh.heads * tile * tile * 4,
+        // The hidden states kept, their concatenation, and its copy in the features' dtype.
+        features: budget * kept * sh.hidden * (2 * e + s.feature_dtype.bytes()),
+        optimiser: 0,
+        total: 0,
+    }
+    .sum()
+}
+
+/// Bytes of one chunk of `chunk` anchors' activations in the drafter, with `context` positions
+/// seen (the worst case: the sequence's full length).
+pub fn drafter_chunk_bytes(
+    target: &Qwen3Config,
+    s: &DflashSettings,
+    chunk: u64,
+    context: u64,
+) -> (u64, u64) {
+    let sh = Shape::of(target);
+    let e = s.dtype.bytes();
+    let tokens = chunk * s.block_size as u64;
+    let layers = s.draft_layers as u64;
+    let scores = layers * SCORE_COPIES * tokens * sh.heads * (context + s.block_size as u64) * 4;
+    let other = layers
+        * tokens
+        * (DRAFTER_HIDDEN_COPIES * sh.hidden * e + DRAFTER_MLP_COPIES * sh.inter * e)
+        + LOGIT_COPIES * tokens * sh.vocab * 4;
+    (scores, other)
+}
+
+/// The anchor chunk `--anchor-chunk auto` picks: as many anchors as keep one chunk's activations
+/// within [`GPU_CHUNK_BYTES`] (or [`CPU_CHUNK_BYTES`]) at `max_len`; `None` when all the anchors
+/// fit at once.
+pub fn auto_anchor_chunk(
+    target: &Qwen3Config,
+    s: &DflashSettings,
+    max_len: u32,
+    gpu: bool,
+) -> Option<usize> {
+    let limit = if gpu {
+        GPU_CHUNK_BYTES
+    } else {
+        CPU_CHUNK_BYTES
+    };
+    let (scores, other) = drafter_chunk_bytes(target, s, 1, u64::from(max_len));
+    let per_anchor = (scores + other).max(1);
+    let chunk = (limit / per_anchor).max(1) as usize;
+    (chunk < s.num_anchors).then_some(chunk)
+}
+
+/// The drafter worker, with batches of at most `budget` tokens and sequences of at most
+/// `max_len`.
+pub fn drafter_worker(
+    target: &Qwen3Config,
+    s: &DflashSettings,
+    budget: u64,
+    max_len: u64,
+) -> WorkerPlan {
+    let sh = Shape::of(target);
+    let e = s.dtype.bytes();
+    let n = s.target_layer_ids.len() as u64;
+    let layers = s.draft_layers as u64;
+    let params = sh.hidden * n * sh.hidden + sh.hidden * 2 + layers * sh.layer_params();
+    let heads_matrices = if target.tie_word_embeddings { 1 } else { 2 };
+    let compute_copy = if e == 4 { 0 } else { params * e };
+    let chunk = s.anchor_chunk.unwrap_or(s.num_anchors).min(s.num_anchors) as u64;
+    let (scores, other) = drafter_chunk_bytes(target, s, chunk, max_len);
+    // The sequence's context: fc's output and its norm, and per layer its keys and values.
+    let context = max_len * (6 * sh.hidden * e + layers * 8 * sh.kv_heads * sh.head_dim * e);
+    WorkerPlan {
+        role: "drafter",
+        weights: params * 4 + compute_copy + heads_matrices * sh.vocab * sh.hidden * e,
+        activations: other + context,
+        attention: scores,
+        // The batch's features out of the ring, and one sequence's in the compute dtype.
+        features: budget * n * sh.hidden * s.feature_dtype.bytes() + max_len * n * sh.hidden * e,
+        // Accumulated gradients, one chunk's gradients, AdamW's two moments.
+        optimiser: 4 * params * 4,
+        total: 0,
+    }
+    .sum()
+}
+
+/// The plan of a run: every worker, the rings, and what does not fit.
+#[derive(Debug, Clone, Serialize)]
+pub struct MemoryPlan {
+    pub target: WorkerPlan,
+    pub drafter: WorkerPlan,
+    /// The same figures as a CPU worker's peak resident memory: the device figures plus the
+    /// process's baseline and the shared ring pages the worker touches.
+    pub target_host: u64,
+    pub drafter_host: u64,
+    /// Bytes of `/dev/shm` for the rings.
+    pub shm_bytes: u64,
+    pub anchor_chunk: Option<usize>,
+}
+
+/// The plan for `targets` target workers, ring slots of `input_slot` and `feature_slot` bytes
+/// (`feature_slots` of them).
+pub fn plan(
+    target: &Qwen3Config,
+    s: &DflashSettings,
+    budget: u64,
+    max_len: u64,
+    shm_bytes: u64,
+    feature_ring: u64,
+    feature_slot: u64,
+) -> MemoryPlan {
+    let t = target_worker(target, s, budget);
+    let d = drafter_worker(target, s, budget, max_len);
+    // On a CPU the weights are also mapped from their files while loading, and the ring pages
+    // a worker writes or reads count in its resident memory.
+    MemoryPlan {
+        target_host: t.total + t.weights + BASELINE + 2 * feature_slot,
+        drafter_host: d.total + BASELINE + feature_ring,
+        target: t,
+        drafter: d,
+        shm_bytes,
+        anchor_chunk: s.anchor_chunk,
+    }
+}
+
+/// What a GPU worker's CUDA context and allocator keep besides its tensors.
+pub const CUDA_CONTEXT: u64 = 768 << 20;
+
+/// One GPU's share of the run: its workers and their summed peaks.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct GpuUse {
+    pub gpu: u32,
+    /// `target` or `drafter`, one per worker on this GPU.
+    pub workers: Vec<&'static str>,
+    /// The workers' peaks plus a CUDA context each.
+    pub need: u64,
+    /// The GPU's memory (NVML, or `--gpu-memory`); `None`: unknown.
+    pub total: Option<u64>,
+}
+
+/// Per GPU of `devices` (workers `0..targets` are targets, the rest drafters): the memory its
+/// workers need and what it has (`total_of`).
+pub fn gpu_uses(
+    plan: &MemoryPlan,
+    devices: &[super::spec::Device],
+    targets: u32,
+    total_of: impl Fn(u32) -> Option<u64>,
+) -> Vec<GpuUse> {
+    let mut uses: Vec<GpuUse> = Vec::new();
+    for (i, device) in devices.iter().enumerate() {
+        let super::spec::Device::Gpu(gpu) = *device else {
+            continue;
+        };
+        let (role, need) = if (i as u32) < targets {
+            ("target", plan.target.total)
+        } else {
+            ("drafter", plan.drafter.total)
+        };
+        let at = match uses.iter().position(|u| u.gpu == gpu) {
+            Some(at) => at,
+            None => {
+                uses.push(GpuUse {
+                    gpu,
+                    workers: Vec::new(),
+                    need: 0,
+                    total: total_of(gpu),
+                });
+                uses.len() - 1
+            }
+        };
+        uses[at].workers.push(role);
+        uses[at].need += need + CUDA_CONTEXT;
+    }
+    uses
+}
+
+/// Why the GPUs cannot hold the run, naming the options that would make it fit; `None` when
+/// every GPU whose memory is known holds its workers.
+pub fn refusal(uses: &[GpuUse]) -> Option<String> {
+    let over: Vec<String> = uses
+        .iter()
+        .filter_map(|u| {
+            let total = u.total?;
+            (u.need > total).then(|| {
+                format!(
+                    "GPU {} ({}) needs {} of its {}",
+                    u.gpu,
+                    u.workers.join(" + "),
+                    gib(u.need),
+                    gib(total)
+                )
+            })
+        })
+        .collect();
+    if over.is_empty() {
+        return None;
+    }
+    let drafter = uses
+        .iter()
+        .any(|u| u.total.is_some_and(|t| u.need > t) && u.workers.contains(&"drafter"));
+    let target = uses
+        .iter()
+        .any(|u| u.total.is_some_and(|t| u.need > t) && u.workers.contains(&"target"));
+    let mut options = Vec::new();
+    if target {
+        options.push("a lower --token-budget");
+    }
+    if drafter {
+        options.push("a lower --anchor-chunk or --num-anchors");
+    }
+    options.push("--dtype bf16 --feature-dtype bf16");
+    if uses.iter().any(|u| u.workers.len() > 1) {
+        options.push("one GPU per worker in --gpus");
+    }
+    Some(format!(
+        "the run does not fit the GPUs' memory: {} (see `launch --dry-run`; try {})",
+        over.join("; "),
+        options.join(", or ")
+    ))
+}
+
+/// `n` bytes as GiB with two decimals.
+pub fn gib(n: u64) -> String {
+    format!("{:.2} GiB", n as f64 / f64::from(1u32 << 30))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn qwen3_8b() -> Qwen3Config {
+        serde_json::from_value(serde_json::json!({
+            "architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "hidden_size": 4096,
+            "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0, "tie_word_embeddings": false
+        }))
+        .unwrap()
+    }
+
+    fn settings(budget: u64) -> DflashSettings {
+        serde_json::from_value(serde_json::json!({
+            "target_model": "/m", "target_layer_ids": [1, 9, 17, 25, 33], "draft_layers": 5,
+            "block_size": 16, "num_anchors": 512, "mask_token_id": 151669, "lr": 6e-4,
+            "warmup_ratio": 0.04, "clip": 1.0, "gamma": 7.0, "weight_decay": 0.01, "seed": 0,
+            "save_every": 100, "keep_checkpoints": 3, "total_steps": 10, "token_budget": budget,
+            "checkpoint_dir": "/c", "dtype": "bf16", "feature_dtype": "bf16"
+        }))
+        .unwrap()
+    }
+
+    /// Doubling the budget never more than doubles a worker's batch-dependent memory: every
+    /// term is linear in tokens.
+    #[test]
+    fn memory_is_linear_in_the_tokens_of_a_batch() {
+        let t = qwen3_8b();
+        let s = settings(49_152);
+        for budget in [8_192u64, 16_384, 32_768] {
+            let one = target_worker(&t, &s, budget);
+            let two = target_worker(&t, &s, 2 * budget);
+            let grow = |a: &WorkerPlan, b: &WorkerPlan| {
+                (b.total - b.weights - b.attention) as f64
+                    / (a.total - a.weights - a.attention) as f64
+            };
+            assert!((grow(&one, &two) - 2.0).abs() < 1e-9);
+            let d1 = drafter_worker(&t, &s, budget, 8_192);
+            let d2 = drafter_worker(&t, &s, 2 * budget, 8_192);
+            assert!(d2.features > d1.features && d2.total - d1.total == d2.features - d1.features);
+        }
+    }
+
+    /// The published model at the seeds' settings fits an 80 GB GPU per worker in bf16 with
+    /// the automatic chunk, and the chunk bounds the drafter's scores.
+    #[test]
+    fn the_seeds_settings_fit_with_the_automatic_chunk() {
+        let t = qwen3_8b();
+        let mut s = settings(49_152);
+        s.anchor_chunk = auto_anchor_chunk(&t, &s, 8_192, true);
+        let chunk = s
+            .anchor_chunk
+            .expect("512 anchors of 8,192 tokens need chunks");
+        assert!((1..512).contains(&chunk), "{chunk}");
+        let (scores, other) = drafter_chunk_bytes(&t, &s, chunk as u64, 8_192);
+        assert!(scores + other <= GPU_CHUNK_BYTES);
+        let d = drafter_worker(&t, &s, 49_152, 8_192);
+        let tw = target_worker(&t, &s, 49_152);
+        assert!(tw.total < 80 << 30, "{}", gib(tw.total));
+        assert!(d.total < 80 << 30, "{}", gib(d.total));
+        // Unchunked, the drafter would not fit.
+        s.anchor_chunk = None;
+        assert!(drafter_worker(&t, &s, 49_152, 8_192).total > 141 << 30);
+    }
+}
