@@ -423,10 +423,14 @@ pub fn dry_run(config: &RunConfig, gpu_memory: Option<u64>) -> Result<DryRun, Ru
         && free < rings.total
     {
         refusals.push(format!(
-            "{} has {} free, the rings need {} (lower --token-budget, use --feature-dtype bf16, or in a container raise --shm-size)",
+            "{} has {} free, the rings need {} (lower --token-budget{}, or in a container raise --shm-size)",
             run_dir::SHM_DIR,
             super::memory::gib(free),
-            super::memory::gib(rings.total)
+            super::memory::gib(rings.total),
+            match config.dflash.as_ref().map(|d| d.feature_dtype) {
+                Some(dflash_common::dflash::Precision::F32) => ", use --feature-dtype bf16",
+                _ => "",
+            }
         ));
     }
     let mut gpus = Vec::new();

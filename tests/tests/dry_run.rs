@@ -1,0 +1,181 @@
+//! `launch --dry-run`: the memory plan, printed and as JSON, without a side effect; the fit
+//! against the GPUs' memory and what a launch would refuse; bad values refused.
+
+use std::path::{Path, PathBuf};
+
+use dflash_e2e::{assert_refused, orch, stdout_ok};
+use serde_json::Value;
+
+/// A Qwen3-8B-shaped target: its config.json alone (a dry run plans from the shape).
+fn qwen3_8b(dir: &Path) -> PathBuf {
+    let model = dir.join("qwen3-8b");
+    std::fs::create_dir(&model).unwrap();
+    std::fs::write(
+        model.join("config.json"),
+        serde_json::json!({
+            "architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "hidden_size": 4096,
+            "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0, "tie_word_embeddings": false
+        })
+        .to_string(),
+    )
+    .unwrap();
+    model
+}
+
+fn dry_run(target: &Path, run_dir: &Path, extra: &[&str]) -> std::process::Output {
+    let mut args = vec![
+        "launch",
+        "--dry-run",
+        "--stage",
+        "dflash",
+        "--synthetic",
+        "100",
+        "--target-model",
+        target.to_str().unwrap(),
+        "--run-dir",
+        run_dir.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    orch(&args)
+}
+
+/// The plan as JSON, whether a launch would start or not (this machine's worker binary has no
+/// CUDA and its /dev/shm may be small: GPU plans list those refusals).
+fn plan_json(target: &Path, run_dir: &Path, extra: &[&str]) -> Value {
+    let mut args = vec!["--json"];
+    args.extend_from_slice(extra);
+    let out = dry_run(target, run_dir, &args);
+    assert!(
+        matches!(out.status.code(), Some(0 | 1)),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+fn a_dry_run_prints_the_plan_and_touches_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = dir.path().join("tiny");
+    stdout_ok(&orch(&["init-tiny", "--output", target.to_str().unwrap()]));
+    let run_dir = dir.path().join("run");
+    let flags = ["--gpus", "cpu:3", "--max-len", "64", "--token-budget", "512"];
+    let text = stdout_ok(&dry_run(&target, &run_dir, &flags));
+    for needle in ["weights", "activations", "drafter", "/dev/shm", "a launch would start"] {
+        assert!(text.contains(needle), "{needle}: {text}");
+    }
+    let plan = plan_json(&target, &run_dir, &flags);
+    assert!(plan["refusals"].as_array().unwrap().is_empty(), "{plan}");
+    assert_eq!(plan["dtype"], "f32", "CPU workers compute in f32 by default");
+    assert!(plan["plan"]["target"]["total"].as_u64().unwrap() > 0);
+    assert!(plan["plan"]["drafter"]["optimiser"].as_u64().unwrap() > 0);
+    assert!(plan["shm_bytes"].as_u64().unwrap() > 0);
+    assert!(!run_dir.exists(), "a dry run creates no run directory");
+}
+
+/// At the seeds' settings the batch-dependent memory grows linearly with the budget, bf16
+/// halves the features, and the chunk is chosen automatically.
+#[test]
+fn the_plan_is_linear_in_the_budget_and_follows_the_dtypes() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = qwen3_8b(dir.path());
+    let run_dir = dir.path().join("run");
+    let at = |budget: &str, dtype: &str| {
+        plan_json(
+            &target,
+            &run_dir,
+            &[
+                "--gpus",
+                "0-7",
+                "--gpu-memory",
+                "141",
+                "--token-budget",
+                budget,
+                "--max-len",
+                "8192",
+                "--feature-dtype",
+                dtype,
+                "--dtype",
+                "bf16",
+            ],
+        )
+    };
+    let small = at("16384", "bf16");
+    let large = at("32768", "bf16");
+    let n = |v: &Value, w: &str, k: &str| v["plan"][w][k].as_u64().unwrap();
+    for k in ["activations", "features"] {
+        assert_eq!(2 * n(&small, "target", k), n(&large, "target", k), "{k}");
+    }
+    assert_eq!(n(&small, "target", "weights"), n(&large, "target", "weights"));
+    let f32_features = at("16384", "f32");
+    assert!(n(&f32_features, "drafter", "features") > n(&small, "drafter", "features"));
+    let chunk = small["plan"]["anchor_chunk"].as_u64().expect("a chunk");
+    assert!((1..512).contains(&chunk), "{chunk}");
+    assert_eq!(small["gpus"].as_array().unwrap().len(), 8);
+}
+
+/// Two workers on one small GPU: refused, naming the GPU and the options to change; a launch
+/// with a CPU-only worker binary on GPUs is refused too.
+#[test]
+fn a_plan_that_does_not_fit_is_refused_naming_the_options() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = qwen3_8b(dir.path());
+    let run_dir = dir.path().join("run");
+    let out = dry_run(
+        &target,
+        &run_dir,
+        &[
+            "--gpus",
+            "0,0",
+            "--gpu-memory",
+            "40",
+            "--token-budget",
+            "49152",
+            "--max-len",
+            "8192",
+        ],
+    );
+    // The plan on stdout, the refusal on stderr.
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("GPU 0: target + drafter"));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("GPU 0 (target + drafter) needs"), "{err}");
+    assert!(err.contains("--token-budget") && err.contains("--anchor-chunk"), "{err}");
+    assert!(!run_dir.exists());
+}
+
+#[test]
+fn bad_dry_run_values_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = qwen3_8b(dir.path());
+    let run_dir = dir.path().join("run");
+    for (flags, needle) in [
+        (vec!["--gpus", "0", "--gpu-memory=-1"], "--gpu-memory"),
+        (vec!["--gpus", "0", "--gpu-memory", "0"], "--gpu-memory"),
+        (vec!["--gpus", "0", "--gpu-memory", "nan"], "--gpu-memory"),
+        (vec!["--gpus", "cpu:2", "--dtype", "f16"], "--dtype"),
+        (vec!["--gpus", "cpu:2", "--feature-dtype", "fp8"], "--feature-dtype"),
+        (vec!["--gpus", "cpu:2", "--anchor-chunk", "0"], "--anchor-chunk"),
+        (vec!["--gpus", "cpu:2", "--anchor-chunk", "many"], "--anchor-chunk"),
+    ] {
+        assert_refused(&dry_run(&target, &run_dir, &flags), 2, needle);
+    }
+    // --json and --gpu-memory belong to --dry-run.
+    assert_refused(
+        &orch(&[
+            "launch",
+            "--json",
+            "--gpus",
+            "cpu:2",
+            "--synthetic",
+            "10",
+            "--run-dir",
+            run_dir.to_str().unwrap(),
+        ]),
+        2,
+        "required arguments",
+    );
+    assert!(!run_dir.exists());
+}
