@@ -58,6 +58,43 @@ pub fn device_for(visible: Option<&str>) -> Result<Device, String> {
     }
 }
 
+/// `dflash-worker --copy-bench`: GB/s of the features' two copies on `device`, per dtype: the
+/// target's [`write_elements`] into a host buffer (device to host) and the drafter's
+/// `Tensor::from_raw_buffer` out of it (host to device), on `bytes` of features, best of 5.
+pub fn copy_bench(device: &Device, bytes: u64) -> Result<serde_json::Value, String> {
+    let mut rows = Vec::new();
+    for dt in [DType::BF16, DType::F32] {
+        let n = (bytes / dt.size_in_bytes() as u64) as usize;
+        let width = 4096usize;
+        let tokens = n.div_ceil(width);
+        let features = Tensor::ones((tokens, width), dt, device).map_err(err)?;
+        let mut host = vec![0u8; tokens * width * dt.size_in_bytes()];
+        let (mut out_s, mut in_s) = (f64::MAX, f64::MAX);
+        for _ in 0..5 {
+            device.synchronize().map_err(err)?;
+            let t = Instant::now();
+            write_elements(&features, &mut host)?;
+            out_s = out_s.min(t.elapsed().as_secs_f64());
+            let t = Instant::now();
+            let back = Tensor::from_raw_buffer(&host, dt, &[tokens, width], device).map_err(err)?;
+            device.synchronize().map_err(err)?;
+            in_s = in_s.min(t.elapsed().as_secs_f64());
+            drop(back);
+        }
+        let gb = host.len() as f64 / 1e9;
+        rows.push(serde_json::json!({
+            "dtype": format!("{dt:?}").to_lowercase(),
+            "bytes": host.len(),
+            "device_to_host_gb_s": gb / out_s.max(1e-12),
+            "host_to_device_gb_s": gb / in_s.max(1e-12),
+        }));
+    }
+    Ok(serde_json::json!({
+        "device": if device.is_cuda() { "cuda" } else { "cpu" },
+        "copies": rows,
+    }))
+}
+
 fn err(e: impl std::fmt::Display) -> String {
     e.to_string()
 }
@@ -566,6 +603,42 @@ mod tests {
         if !candle_core::utils::cuda_is_available() {
             let e = device_for(Some("3")).unwrap_err();
             assert!(e.contains("built without CUDA"), "{e}");
+        }
+    }
+
+    /// Features go into a slot as whole slices and come back bit for bit, in both dtypes, from
+    /// a contiguous tensor or a strided view; a slot too small is an error, not a panic.
+    #[test]
+    fn features_round_trip_through_a_slot_in_both_dtypes() {
+        let dev = Device::Cpu;
+        let values: Vec<f32> = (0..24).map(|i| i as f32 * 0.37 - 3.0).collect();
+        let base = Tensor::from_vec(values, (4, 6), &dev).unwrap();
+        for dt in [DType::F32, DType::BF16] {
+            for t in [
+                base.to_dtype(dt).unwrap(),
+                base.t().unwrap().to_dtype(dt).unwrap(),
+            ] {
+                let mut slot = vec![0xAAu8; 200];
+                let n = write_elements(&t, &mut slot).unwrap();
+                assert_eq!(n, 24 * dt.size_in_bytes());
+                assert!(
+                    slot[n..].iter().all(|&b| b == 0xAA),
+                    "nothing past the features"
+                );
+                let back = Tensor::from_raw_buffer(&slot[..n], dt, t.dims(), &dev).unwrap();
+                let flat = |x: &Tensor| {
+                    x.to_dtype(DType::F32)
+                        .unwrap()
+                        .flatten_all()
+                        .unwrap()
+                        .to_vec1::<f32>()
+                        .unwrap()
+                };
+                assert_eq!(flat(&back), flat(&t));
+            }
+            let mut small = vec![0u8; 10];
+            let e = write_elements(&base.to_dtype(dt).unwrap(), &mut small).unwrap_err();
+            assert!(e.contains("do not fit"), "{e}");
         }
     }
 

@@ -67,6 +67,12 @@ pub struct WorkerArgs {
     #[arg(long)]
     pub capabilities: bool,
 
+    /// Time the features' copies on this worker's device (the GPU of CUDA_VISIBLE_DEVICES, else
+    /// the CPU): a batch of MIB mebibytes written into a host buffer as a target worker writes
+    /// its feature slot, and read back as the drafter reads it; prints GB/s per dtype as JSON.
+    #[arg(long, value_name = "MIB", value_parser = clap::value_parser!(u32).range(1..=65_536))]
+    pub copy_bench: Option<u32>,
+
     /// Synthetic stage: microseconds spent per token of a forward pass.
     #[arg(long, value_name = "US", default_value_t = 0.0)]
     pub synthetic_us_per_token: f64,
@@ -147,6 +153,13 @@ pub fn capabilities() -> serde_json::Value {
 pub fn run(args: WorkerArgs) -> Result<(), WorkerError> {
     if args.capabilities {
         println!("{}", capabilities());
+        return Ok(());
+    }
+    if let Some(mib) = args.copy_bench {
+        let device = dflash::device().map_err(WorkerError::Invalid)?;
+        let report =
+            dflash::copy_bench(&device, u64::from(mib) << 20).map_err(WorkerError::Invalid)?;
+        println!("{report}");
         return Ok(());
     }
     let name = args.ipc.clone().ok_or(WorkerError::NoOrchestrator)?;
