@@ -260,7 +260,7 @@ impl Qwen3 {
             };
             Limits::Runs {
                 runs: segment_runs(&segments.to_device(&Device::Cpu)?.to_vec2::<u32>()?),
-                tile,
+                mask: causal_mask(tile, &self.device)?,
             }
         };
         let mut x = self.embed.forward(tokens)?;
@@ -347,7 +347,7 @@ impl Attention {
                 let probs = candle_nn::ops::softmax_last_dim(&scores)?;
                 probs.matmul(&f32(&v)?.contiguous()?)?.to_dtype(q.dtype())?
             }
-            Limits::Runs { runs, tile } => {
+            Limits::Runs { runs, mask } => {
                 let mut rows = Vec::with_capacity(b);
                 for (r, row_runs) in runs.iter().enumerate() {
                     let (qr, kr, vr) = (q.get(r)?, k.get(r)?, v.get(r)?);
@@ -357,7 +357,7 @@ impl Attention {
                             &qr.narrow(1, start, len)?,
                             &kr.narrow(1, start, len)?,
                             &vr.narrow(1, start, len)?,
-                            *tile,
+                            mask,
                         )?);
                     }
                     rows.push(Tensor::cat(&pieces, 1)?);
@@ -371,13 +371,23 @@ impl Attention {
 }
 
 /// Where each token may look: a dense additive mask `[b, 1, s, s]`, or per row the runs of equal
-/// segment id (`(start, len)`, covering the row) for the tiled attention.
+/// segment id (`(start, len)`, covering the row) for the tiled attention, with its diagonal
+/// tile's causal mask.
 enum Limits {
     Mask(Tensor),
     Runs {
         runs: Vec<Vec<(usize, usize)>>,
-        tile: usize,
+        mask: Tensor,
     },
+}
+
+/// The additive causal mask of a diagonal tile, `[tile, tile]` f32: query a sees key c when
+/// c <= a. Its top-left corner serves a shorter last tile.
+fn causal_mask(tile: usize, device: &Device) -> candle_core::Result<Tensor> {
+    let mask: Vec<f32> = (0..tile)
+        .flat_map(|a| (0..tile).map(move |c| if c <= a { 0.0 } else { f32::NEG_INFINITY }))
+        .collect();
+    Tensor::from_vec(mask, (tile, tile), device)
 }
 
 /// Per row, the maximal runs of equal segment id as `(start, len)`. A segment must be one
@@ -402,8 +412,10 @@ fn segment_runs(segments: &[Vec<u32>]) -> Vec<Vec<(usize, usize)>> {
 /// `k` and `v` are `[kv_heads, n, d]` (grouped-query attention without copying them per head).
 /// Each tile of `tile` queries meets the key tiles up to its own, with a running maximum and sum
 /// (online softmax), so no `[n, n]` score or mask is ever built: memory is `heads × tile²`
-/// scores whatever `n`. Computed in f32; returns `[heads, n, d]` in `q`'s dtype.
-fn tiled_causal(q: &Tensor, k: &Tensor, v: &Tensor, tile: usize) -> candle_core::Result<Tensor> {
+/// scores whatever `n`. The tile is `mask`'s size (from [`causal_mask`]). Computed in f32;
+/// returns `[heads, n, d]` in `q`'s dtype.
+fn tiled_causal(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> candle_core::Result<Tensor> {
+    let tile = mask.dim(0)?;
     let (heads, n, d) = q.dims3()?;
     let kv = k.dim(0)?;
     let group = heads / kv;
@@ -424,15 +436,11 @@ fn tiled_causal(q: &Tensor, k: &Tensor, v: &Tensor, tile: usize) -> candle_core:
             let mut scores = qt.matmul(&kt.t()?)?;
             if kj == qi {
                 // The diagonal tile: query qi + a sees key kj + c when c <= a.
-                let mask: Vec<f32> = (0..group)
-                    .flat_map(|_| {
-                        (0..tq).flat_map(move |a| {
-                            (0..tk).map(move |c| if c <= a { 0.0 } else { f32::NEG_INFINITY })
-                        })
-                    })
-                    .collect();
-                let mask = Tensor::from_vec(mask, (1, group * tq, tk), q.device())?;
-                scores = scores.broadcast_add(&mask)?;
+                let corner = mask.narrow(0, 0, tq)?.narrow(1, 0, tk)?;
+                scores = scores
+                    .reshape((kv, group, tq, tk))?
+                    .broadcast_add(&corner)?
+                    .reshape((kv, group * tq, tk))?;
             }
             let tile_max = scores.max_keepdim(D::Minus1)?;
             let vt = v.narrow(1, kj, tk)?;
@@ -551,7 +559,8 @@ mod tests {
                 let k = randn((kv, n, 8), seed + 1);
                 let v = randn((kv, n, 8), seed + 2);
                 let want = dense(&q, &k, &v);
-                let got = tiled_causal(&q, &k, &v, tile).unwrap();
+                let got =
+                    tiled_causal(&q, &k, &v, &causal_mask(tile, &Device::Cpu).unwrap()).unwrap();
                 let diff = max_diff(&want, &got);
                 assert!(
                     diff < 1e-5,
