@@ -1,0 +1,981 @@
+#!/usr/bin/env python3
+"""The GPU check of dflash-orch: one pass over what only real hardware can show.
+
+Started by scripts/gpu-check (which see for the usage). Steps, each recorded in the summary with
+"ok" and, when it failed, "error"; a failed step does not stop the ones after it:
+
+  capabilities  dflash-worker --capabilities (the binary starts, its CUDA libraries resolve)
+  nvml          a short synthetic run; the NVML readings in metrics.jsonl; nvidia-smi
+  model         dflash-orch init-tiny: Qwen3-0.6B's shape with random weights (--cpu: a tiny one)
+  dflash        a DFlash run, a target and a drafter worker sharing GPU 0: tokens/s, every
+                worker's peak GPU memory, whether the loss falls
+  crash_resume  the same run again, the drafter SIGKILLed mid-run and restarted by the
+                orchestrator: the loss per optimiser step against the uninterrupted run
+  pytorch       the same model shape and batch through PyTorch (transformers' Qwen3 target,
+                scripts/bench_dflash.py's drafter port) on the same device: tokens/s and the ratio
+
+Progress goes to stderr; the summary, one JSON object, to stdout at the end.
+Exit codes: 0 every step passed, 1 a step failed, 2 bad usage.
+"""
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+NVML_READINGS = ["power_w", "utilization_pct", "memory_used_bytes", "memory_total_bytes",
+                 "temperature_c", "sm_clock_mhz"]
+# What the CUDA worker links against; on the GPU machine they come from PyTorch's wheels.
+CUDA_LIBS = ["libcublas.so.13", "libcublasLt.so.13", "libcudart.so.13", "libcurand.so.10",
+             "libnvrtc.so.13"]
+MIB = 1 << 20
+T0 = time.monotonic()
+
+
+def log(msg):
+    print(f"gpu-check [{time.monotonic() - T0:5.0f}s] {msg}", file=sys.stderr, flush=True)
+
+
+class StepFailed(Exception):
+    """A step's failure, with what it measured before failing."""
+
+    def __init__(self, error, **partial):
+        super().__init__(error)
+        self.partial = partial
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding things.
+
+
+def find_binaries(args):
+    """(dflash-orch, dflash-worker): --bin-dir, this folder (packaged), or the repository's target/."""
+    def unpack(path):
+        # The package carries the binaries xz-compressed (to stay small); unpack once, beside them.
+        if not os.path.exists(path) and os.path.exists(path + ".xz"):
+            import lzma
+            log(f"unpacking {os.path.basename(path)}.xz")
+            tmp = path + ".tmp"
+            with lzma.open(path + ".xz") as src, open(tmp, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 22)
+            os.chmod(tmp, 0o755)
+            os.replace(tmp, path)
+        return path
+
+    if args.bin_dir:
+        d = os.path.abspath(args.bin_dir)
+        return unpack(os.path.join(d, "dflash-orch")), unpack(os.path.join(d, "dflash-worker"))
+    if os.path.exists(os.path.join(HERE, "dflash-orch")) or os.path.exists(os.path.join(HERE, "dflash-orch.xz")):
+        return unpack(os.path.join(HERE, "dflash-orch")), unpack(os.path.join(HERE, "dflash-worker"))
+    root = os.path.dirname(HERE)
+    orch = os.path.join(root, "target", "release", "dflash-orch")
+    cuda_worker = os.path.join(root, "target", "cuda", "release", "dflash-worker")
+    cpu_worker = os.path.join(root, "target", "release", "dflash-worker")
+    if not args.cpu and os.path.exists(cuda_worker):
+        return orch, cuda_worker
+    return orch, cpu_worker
+
+
+def cuda_lib_dirs(python):
+    """Folders holding the CUDA libraries: PyTorch's nvidia wheels of `python`, then the usual places."""
+    dirs = []
+    try:
+        out = subprocess.run(
+            [python, "-c",
+             "import json, site; print(json.dumps(site.getsitepackages() + [site.getusersitepackages()]))"],
+            check=True, capture_output=True, text=True, timeout=30).stdout
+        for sp in json.loads(out):
+            nv = os.path.join(sp, "nvidia")
+            if os.path.isdir(nv):
+                for sub in sorted(os.listdir(nv)):
+                    lib = os.path.join(nv, sub, "lib")
+                    if os.path.isdir(lib):
+                        dirs.append(lib)
+            if os.path.isdir(os.path.join(sp, "torch", "lib")):
+                dirs.append(os.path.join(sp, "torch", "lib"))
+    except (OSError, subprocess.SubprocessError, ValueError) as e:
+        log(f"could not list {python}'s site-packages: {e}")
+    dirs += ["/usr/local/cuda/lib64", "/usr/local/cuda/targets/x86_64-linux/lib"]
+    return [d for d in dirs if os.path.isdir(d)]
+
+
+def child_env(args, worker):
+    env = dict(os.environ)
+    env["DFLASH_WORKER_BIN"] = worker
+    env.setdefault("RUST_BACKTRACE", "1")
+    # Also in --cpu mode: the packaged worker is the CUDA build, which needs them to start at all.
+    have = [d for d in cuda_lib_dirs(args.python)
+            if any(os.path.exists(os.path.join(d, lib)) for lib in CUDA_LIBS)]
+    old = [d for d in env.get("LD_LIBRARY_PATH", "").split(":") if d]
+    if have:
+        env["LD_LIBRARY_PATH"] = ":".join(dict.fromkeys(old + have))
+    return env
+
+
+def help_text(orch, *cmd):
+    try:
+        return subprocess.run([orch, *cmd, "--help"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Runs.
+
+
+def read_jsonl(path):
+    rows = []
+    try:
+        with open(path) as f:
+            for line in f:
+                line = line.strip()
+                if line:
+                    try:
+                        rows.append(json.loads(line))
+                    except ValueError:
+                        pass  # a line being written when the run was stopped
+    except FileNotFoundError:
+        pass
+    return rows
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"dflash" in f.read()
+    except OSError:
+        return False
+
+
+def worker_pids(metrics):
+    """{pid: role} of every worker the run started, from its worker_start events."""
+    pids = {}
+    for m in metrics:
+        if m.get("kind") == "event" and m.get("event") == "worker_start":
+            found = re.match(r"pid (\d+)", m.get("message") or "")
+            if found:
+                pids[int(found.group(1))] = m.get("role")
+    return pids
+
+
+class GpuMemoryPoller:
+    """Peak GPU memory per process, from nvidia-smi, polled in the background."""
+
+    def __init__(self, interval=0.5):
+        self.peak = {}
+        self.interval = interval
+        self.error = None
+        self._stop = threading.Event()
+        self._thread = None
+
+    def __enter__(self):
+        if shutil.which("nvidia-smi"):
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+        else:
+            self.error = "nvidia-smi not found"
+        return self
+
+    def _run(self):
+        while not self._stop.is_set():
+            try:
+                out = subprocess.run(
+                    ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                    capture_output=True, text=True, timeout=10).stdout
+                for line in out.splitlines():
+                    parts = [p.strip() for p in line.split(",")]
+                    if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit():
+                        pid, mib = int(parts[0]), int(parts[1])
+                        self.peak[pid] = max(self.peak.get(pid, 0), mib)
+            except (OSError, subprocess.SubprocessError) as e:
+                self.error = str(e)
+            self._stop.wait(self.interval)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self._thread:
+            self._thread.join(timeout=15)
+
+
+class Run:
+    """One `dflash-orch launch` in the background, stopped cleanly (or killed) when it overruns."""
+
+    def __init__(self, ctx, name, launch_args):
+        self.ctx = ctx
+        self.dir = os.path.join(ctx.work, name)
+        self.log = os.path.join(ctx.work, f"{name}.log")
+        self.args = [ctx.orch, "launch", "--run-dir", self.dir, *launch_args]
+        self.proc = None
+        self.started = None
+        self.wall_s = None
+        self.timed_out = False
+
+    def start(self):
+        log(f"{os.path.basename(self.dir)}: {' '.join(self.args[1:])}")
+        self.started = time.monotonic()
+        with open(self.log, "wb") as err:
+            self.proc = subprocess.Popen(self.args, stdout=subprocess.DEVNULL, stderr=err, env=self.ctx.env,
+                                         stdin=subprocess.DEVNULL)
+        return self
+
+    def metrics(self):
+        return read_jsonl(os.path.join(self.dir, "metrics.jsonl"))
+
+    def status(self):
+        try:
+            out = subprocess.run([self.ctx.orch, "status", "--run-dir", self.dir, "--json"], capture_output=True,
+                                 text=True, timeout=20, env=self.ctx.env)
+            return json.loads(out.stdout) if out.returncode == 0 else None
+        except (OSError, subprocess.SubprocessError, ValueError):
+            return None
+
+    def stop(self, grace=30):
+        """SIGINT (a clean stop: workers stop, the drafter checkpoints), then SIGKILL after `grace`."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                log(f"{os.path.basename(self.dir)}: the orchestrator did not stop in {grace} s: SIGKILL")
+                self.proc.kill()
+                self.proc.wait()
+        for pid in worker_pids(self.metrics()):
+            if alive(pid):
+                log(f"killing leftover worker {pid}")
+                os.kill(pid, signal.SIGKILL)
+        subprocess.run([self.ctx.orch, "clean", "--run-dir", self.dir], capture_output=True, timeout=30)
+
+    def wait(self, timeout):
+        try:
+            self.proc.wait(max(timeout, 1))
+        except subprocess.TimeoutExpired:
+            self.timed_out = True
+            log(f"{os.path.basename(self.dir)}: still running after {timeout:.0f} s: stopping it")
+            self.stop()
+        self.wall_s = time.monotonic() - self.started
+        return self.proc.returncode
+
+    def tail(self, n=12):
+        """The end of the launch's stderr, without backtrace frames; a panic's message first."""
+        try:
+            with open(self.log, errors="replace") as f:
+                lines = [line.rstrip() for line in f if line.strip()]
+        except OSError:
+            return ""
+        panic = [i for i, line in enumerate(lines) if "panicked at" in line]
+        head = lines[panic[0]:panic[0] + 2] if panic else []
+        frames = re.compile(r"^\s*(\d+: |at |stack backtrace:|note: )")
+        rest = [line for line in lines if not frames.match(line) and line not in head]
+        return "\n".join(head + rest[-n:])
+
+
+def train_losses(metrics):
+    """{optimiser step: loss}; a step recomputed after a restart keeps its last value."""
+    losses = {}
+    for m in metrics:
+        if m.get("kind") == "train" and m.get("loss") is not None:
+            losses[int(m["step"])] = float(m["loss"])
+    return losses
+
+
+def run_measures(run, poller=None):
+    """What a finished (or stopped) DFlash run shows: throughput, memory, loss."""
+    metrics = run.metrics()
+    batches = [m for m in metrics if m.get("kind") == "batch"]
+    out = {"run_dir": run.dir, "wall_s": round(run.wall_s or 0, 1), "exit_code": run.proc.returncode,
+           "batches": len(batches), "tokens": sum(int(b.get("real_tokens", 0)) for b in batches)}
+    if len(batches) >= 2:
+        span = batches[-1]["time"] - batches[0]["time"]
+        tokens = sum(int(b.get("real_tokens", 0)) for b in batches[1:])
+        # From the first batch's end to the last's: the steady rate, without start-up.
+        out["tokens_per_s"] = round(tokens / span, 1) if span > 0 else None
+        padded = sum(int(b.get("padded_tokens", 0)) for b in batches[1:])
+        out["padded_tokens_per_s"] = round(padded / span, 1) if span > 0 else None
+    summary = re.findall(r"([\d.]+) tokens this session in ([\d.]+) s", run.tail(50))
+    if summary:
+        tokens, secs = map(float, summary[-1])
+        out["tokens_per_s_whole_run"] = round(tokens / secs, 1) if secs > 0 else None
+    losses = train_losses(metrics)
+    out["steps"] = len(losses)
+    if len(losses) >= 2:
+        seq = [losses[k] for k in sorted(losses)]
+        tenth = max(1, len(seq) // 10)
+        first, last = statistics.fmean(seq[:tenth]), statistics.fmean(seq[-tenth:])
+        out.update(loss_first_tenth=round(first, 5), loss_last_tenth=round(last, 5), loss_falls=last < first)
+    pids = worker_pids(metrics)
+    rss = {}
+    for m in metrics:
+        if m.get("kind") == "process" and m.get("rss_bytes") is not None:
+            role = m.get("role") or "?"
+            rss[role] = max(rss.get(role, 0), m["rss_bytes"])
+    out["peak_rss_mib"] = {k: round(v / MIB) for k, v in rss.items()}
+    gpu = [m for m in metrics if m.get("kind") == "gpu" and m.get("memory_used_bytes") is not None]
+    if gpu:
+        out["gpu_memory_used_peak_mib"] = round(max(m["memory_used_bytes"] for m in gpu) / MIB)
+    if poller is not None:
+        per_role = {}
+        for pid, mib in poller.peak.items():
+            role = pids.get(pid)
+            if role:
+                per_role[role] = max(per_role.get(role, 0), mib)
+        out["peak_gpu_memory_mib"] = per_role
+        if poller.peak and not per_role:
+            # nvidia-smi saw processes, none of them ours by pid: a PID namespace (container) hides them.
+            out["peak_gpu_memory_unmatched_mib"] = {str(k): v for k, v in poller.peak.items()}
+        if poller.error:
+            out["peak_gpu_memory_error"] = poller.error
+    return out
+
+
+def journal_config(run_dir):
+    for row in read_jsonl(os.path.join(run_dir, "journal.jsonl")):
+        if row.get("event") == "run":
+            return row.get("config") or {}
+    return {}
+
+
+# ---------------------------------------------------------------------------------------------
+# The steps.
+
+
+def step_capabilities(ctx):
+    for path in (ctx.orch, ctx.worker):
+        if not os.access(path, os.X_OK):
+            raise StepFailed(f"{path} is missing or not executable (in the repository: cargo build --release "
+                             "--bins, and scripts/build-cuda for the CUDA worker; or use scripts/package-gpu-check's "
+                             "folder)")
+    out = subprocess.run([ctx.worker, "--capabilities"], capture_output=True, text=True, timeout=60, env=ctx.env)
+    res = {"worker": ctx.worker, "orchestrator": ctx.orch}
+    if out.returncode != 0:
+        missing = []
+        if shutil.which("ldd"):
+            ldd = subprocess.run(["ldd", ctx.worker], capture_output=True, text=True, env=ctx.env).stdout
+            missing = [line.split()[0] for line in ldd.splitlines() if "not found" in line]
+        hint = (f"; libraries not found: {', '.join(missing)} (install PyTorch's CUDA 13 wheels, or point "
+                "LD_LIBRARY_PATH at them)") if missing else ""
+        raise StepFailed(f"dflash-worker --capabilities exited {out.returncode}: {out.stderr.strip()[-500:]}{hint}",
+                         missing_libraries=missing, **res)
+    caps = json.loads(out.stdout)
+    res.update(caps=caps, cuda=caps.get("cuda"))
+    if not ctx.cpu and caps.get("cuda") is not True:
+        raise StepFailed("dflash-worker was built without CUDA (build it with scripts/build-cuda)", **res)
+    return res
+
+
+def step_copy(ctx):
+    """The features' two copies on the worker's device: into a host buffer as a target writes its
+    feature slot (device to host) and out of it as the drafter reads one (host to device)."""
+    env = dict(ctx.env)
+    if ctx.cpu:
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = ctx.pair.split(",")[0]
+    out = subprocess.run([ctx.worker, "--copy-bench", "1024"], capture_output=True, text=True,
+                         timeout=ctx.remaining(120), env=env)
+    if out.returncode != 0:
+        raise StepFailed(f"dflash-worker --copy-bench exited {out.returncode}: {out.stderr.strip()[-500:]}")
+    report = json.loads(out.stdout)
+    return {"device": report.get("device"),
+            "copies": {c["dtype"]: {"device_to_host_gb_s": round(c["device_to_host_gb_s"], 2),
+                                    "host_to_device_gb_s": round(c["host_to_device_gb_s"], 2)}
+                       for c in report.get("copies", [])}}
+
+
+def nvidia_smi():
+    if not shutil.which("nvidia-smi"):
+        return None
+    out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                         capture_output=True, text=True, timeout=30)
+    gpus = []
+    for line in out.stdout.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 3:
+            gpus.append({"name": parts[0], "memory_total": parts[1], "driver": parts[2]})
+    return gpus
+
+
+def step_nvml(ctx):
+    res = {"nvidia_smi": nvidia_smi()}
+    run = Run(ctx, "nvml", ["--gpus", ctx.pair, "--topology", "1:1", "--synthetic", "4000", "--epochs", "1",
+                            "--synthetic-us-per-token", "2", "--monitor-interval", "0.5", "--max-len", "4096",
+                            "--token-budget", "16384"]).start()
+    sock = os.path.join(run.dir, "control.sock")
+    deadline = time.monotonic() + 30
+    while not os.path.exists(sock) and run.proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if run.proc.poll() is None:
+        time.sleep(4)
+    status = run.status()
+    run.stop()
+    gpu = [m for m in run.metrics() if m.get("kind") == "gpu"]
+    res["gpu_lines"] = len(gpu)
+    res["last"] = gpu[-1] if gpu else None
+    if status:
+        res["status_workers"] = [{k: v for k, v in w.items() if k.startswith("gpu") or k in ("role", "device")}
+                                 for w in status.get("workers", [])]
+        res["gpu_unavailable"] = status.get("run", {}).get("gpu_unavailable")
+    if ctx.cpu:
+        res["skipped"] = "no GPU readings in --cpu mode (the synthetic run only)"
+        if status is None:
+            raise StepFailed(f"the synthetic run did not answer `status`: {run.tail()}", **res)
+        return res
+    missing = [k for k in NVML_READINGS if not gpu or gpu[-1].get(k) is None]
+    res["missing"] = missing
+    if status is None and not gpu:
+        raise StepFailed(f"the synthetic run failed: {run.tail()}", **res)
+    if missing:
+        raise StepFailed(f"NVML readings missing: {', '.join(missing)}", **res)
+    return res
+
+
+def step_model(ctx):
+    model = os.path.join(ctx.work, "model")
+    cmd = [ctx.orch, "init-tiny", "--output", model, "--seed", "0", "--force"]
+    if not ctx.cpu:
+        if "--preset" not in help_text(ctx.orch, "init-tiny"):
+            raise StepFailed("this dflash-orch's init-tiny has no --preset (qwen3-0.6b)")
+        cmd += ["--preset", "qwen3-0.6b"]
+        if "--dtype" in help_text(ctx.orch, "init-tiny"):
+            cmd += ["--dtype", "bf16"]  # half the size; what the bf16 run computes in anyway
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=ctx.remaining(120), env=ctx.env)
+    if out.returncode != 0:
+        raise StepFailed(f"init-tiny exited {out.returncode}: {out.stderr.strip()[-800:]}")
+    with open(os.path.join(model, "config.json")) as f:
+        cfg = json.load(f)
+    ctx.model = model
+    size = sum(os.path.getsize(os.path.join(model, n)) for n in os.listdir(model))
+    return {"dir": model, "preset": None if ctx.cpu else "qwen3-0.6b", "size_mib": round(size / MIB),
+            "hidden_size": cfg.get("hidden_size"), "layers": cfg.get("num_hidden_layers"),
+            "heads": cfg.get("num_attention_heads"), "kv_heads": cfg.get("num_key_value_heads"),
+            "vocab": cfg.get("vocab_size")}
+
+
+def dflash_args(ctx):
+    a = ["--stage", "dflash", "--target-model", ctx.model, "--gpus", ctx.pair, "--topology", "1:1",
+         "--synthetic", str(ctx.args.samples), "--max-len", str(ctx.args.max_len),
+         "--token-budget", str(ctx.args.token_budget), "--epochs", "1", "--save-every", str(ctx.args.save_every)]
+    if ctx.dtype_flags:
+        a += ["--dtype", ctx.dtype, "--feature-dtype", ctx.dtype]
+    return a + ctx.args.launch_arg
+
+
+def step_dflash(ctx):
+    if ctx.model is None:
+        raise StepFailed("no model (the model step failed)")
+    run = Run(ctx, "dflash", dflash_args(ctx))
+    plan = memory_plan(ctx, run)
+    with GpuMemoryPoller() if not ctx.cpu else _Null() as poller:
+        run.start()
+        code = run.wait(ctx.remaining(ctx.args.run_timeout))
+    res = run_measures(run, None if ctx.cpu else poller)
+    res["dtype"] = ctx.dtype if ctx.dtype_flags else "default (this dflash-orch has no --dtype)"
+    res["memory_plan"] = plan
+    res["launch"] = " ".join(run.args[1:])
+    ctx.reference = run
+    if run.timed_out:
+        raise StepFailed(f"the run did not finish within {ctx.args.run_timeout} s (raise --run-timeout or lower "
+                         f"--samples)", **res)
+    if code != 0:
+        raise StepFailed(f"dflash-orch launch exited {code}: {run.tail()}", **res)
+    if res.get("loss_falls") is not True:
+        raise StepFailed("the loss did not fall (first tenth of the steps against the last)", **res)
+    return res
+
+
+def memory_plan(ctx, run):
+    """What `launch --dry-run --json` predicts for each worker's peak memory, to set beside the measured peaks."""
+    if "--dry-run" not in help_text(ctx.orch, "launch"):
+        return None
+    try:
+        out = subprocess.run(run.args + ["--dry-run", "--json"], capture_output=True, text=True, timeout=120,
+                             env=ctx.env)
+        dry = json.loads(out.stdout)
+    except (OSError, subprocess.SubprocessError, ValueError) as e:
+        return {"error": str(e)}
+    plan = dry.get("plan") or {}
+    res = {role: {k: round(v / MIB, 1) for k, v in (plan.get(role) or {}).items() if isinstance(v, (int, float))}
+           for role in ("target", "drafter")}
+    res.update(anchor_chunk=plan.get("anchor_chunk"), refusals=dry.get("refusals"), notes=dry.get("notes"),
+               exit_code=out.returncode)
+    return res
+
+
+class _Null:
+    peak = {}
+    error = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+
+def step_crash_resume(ctx):
+    if ctx.model is None:
+        raise StepFailed("no model (the model step failed)")
+    ref = ctx.reference
+    if ref is not None and ref.timed_out:
+        raise StepFailed("not run: the uninterrupted run did not finish in time, this one would not either")
+    ref_losses = train_losses(ref.metrics()) if ref is not None and ref.proc.returncode == 0 else None
+    run = Run(ctx, "crash", dflash_args(ctx)).start()
+    # The run's timeout: room for the restart and the replayed batches on top of the reference.
+    limit = ctx.args.run_timeout if ref is None or ref.wall_s is None else 2 * ref.wall_s + 60
+    # Leave the PyTorch step its time: its number is wanted even when this run is slow.
+    reserve = 0 if "pytorch" in ctx.args.skip else min(90, ctx.args.torch_timeout)
+    deadline = time.monotonic() + ctx.remaining(limit, reserve)
+    total = None
+    killed = None
+    while run.proc.poll() is None and time.monotonic() < deadline:
+        total = total or (journal_config(run.dir).get("dflash") or {}).get("total_steps")
+        status = run.status()
+        if total and status:
+            step = (status.get("run", {}).get("training") or {}).get("step") or 0
+            drafter = [w for w in status.get("workers", []) if w.get("role") == "drafter"]
+            # Past the first checkpoint and about halfway: the restart resumes from a checkpoint
+            # and replays the batches after it.
+            kill_at = min(max(ctx.args.save_every + 1, total // 2), max(total - 1, 1))
+            if step >= kill_at and drafter and drafter[0].get("pid"):
+                pid = drafter[0]["pid"]
+                log(f"crash: SIGKILL to the drafter (pid {pid}) at optimiser step {step} of {total}")
+                os.kill(pid, signal.SIGKILL)
+                killed = {"pid": pid, "at_step": step, "total_steps": total}
+                break
+        time.sleep(0.2)
+    code = run.wait(deadline - time.monotonic())
+    metrics = run.metrics()
+    events = [m for m in metrics if m.get("kind") == "event"]
+    res = {"run_dir": run.dir, "wall_s": round(run.wall_s, 1), "exit_code": code, "killed": killed,
+           "drafter_exits": [e.get("message") for e in events
+                             if e.get("event") == "worker_exit" and e.get("role") == "drafter"],
+           "drafter_starts": sum(1 for e in events if e.get("event") == "worker_start" and e.get("role") == "drafter"),
+           "rewinds": [e.get("message") for e in events if e.get("event") == "rewind"]}
+    losses = train_losses(metrics)
+    res["steps"] = len(losses)
+    if ref_losses:
+        common = sorted(set(ref_losses) & set(losses))
+        devs = [abs(losses[k] - ref_losses[k]) / max(abs(ref_losses[k]), 1e-12) for k in common]
+        worst = max(range(len(devs)), key=devs.__getitem__) if devs else None
+        res.update(steps_compared=len(common), tolerance=ctx.args.tolerance,
+                   max_rel_deviation=max(devs) if devs else None,
+                   worst_step=common[worst] if worst is not None else None,
+                   steps_only_in_reference=sorted(set(ref_losses) - set(losses)),
+                   steps_only_here=sorted(set(losses) - set(ref_losses)))
+    if killed is None:
+        if run.timed_out:
+            raise StepFailed("the run did not reach the kill point in time", **res)
+        if code != 0:
+            raise StepFailed(f"dflash-orch launch exited {code} before the kill point: {run.tail()}", **res)
+        raise StepFailed("the run ended before the kill point (too short: raise --samples)", **res)
+    if run.timed_out:
+        raise StepFailed("the run did not finish after the restart in time", **res)
+    if code != 0:
+        raise StepFailed(f"dflash-orch launch exited {code} after the drafter was killed: {run.tail()}", **res)
+    if res["drafter_starts"] < 2:
+        raise StepFailed("the drafter was not restarted", **res)
+    if not ref_losses:
+        raise StepFailed("no uninterrupted run to compare with (the dflash step failed)", **res)
+    if res["steps_only_in_reference"] or res["steps_only_here"]:
+        raise StepFailed("the two runs have different optimiser steps", **res)
+    if res["max_rel_deviation"] is None or res["max_rel_deviation"] > ctx.args.tolerance:
+        raise StepFailed(f"loss per step deviates by {res['max_rel_deviation']:.3g} relative (step "
+                         f"{res['worst_step']}), above {ctx.args.tolerance:g}", **res)
+    return res
+
+
+def fallback_drafter_settings(ctx):
+    with open(os.path.join(ctx.model, "config.json")) as f:
+        cfg = json.load(f)
+    extra = dict(zip(ctx.args.launch_arg[::2], ctx.args.launch_arg[1::2]))
+    n = int(extra.get("--draft-layers", 5))
+    top = max(1, cfg["num_hidden_layers"] - 3)
+    ids = sorted({round(1 + i * (top - 1) / (n - 1)) for i in range(n)}) if n > 1 else [top]
+    return {"draft_layers": n, "block_size": int(extra.get("--block-size", 16)),
+            "num_anchors": int(extra.get("--num-anchors", 512)), "mask_token_id": cfg["vocab_size"] - 1,
+            "target_layer_ids": [int(x) for x in extra["--target-layer-ids"].split(",")]
+            if "--target-layer-ids" in extra else ids}
+
+
+def step_pytorch(ctx):
+    if ctx.model is None:
+        raise StepFailed("no model (the model step failed)")
+    bench = os.path.join(HERE, "bench_dflash.py")
+    if not os.path.exists(bench):
+        raise StepFailed(f"{bench} is missing")
+    ref = ctx.reference
+    d = (journal_config(ref.dir).get("dflash") if ref is not None else None) or {}
+    source = "the dflash run's journal"
+    if not d:
+        # The Rust run left no journal: launch's defaults (and --launch-arg), so that PyTorch's
+        # number still comes.
+        d, source = fallback_drafter_settings(ctx), "launch's defaults (the dflash run left no journal)"
+    # The batch: the median batch shape of the run (or of its plan): longest sample of the batch,
+    # and as many sequences of it as the token budget holds.
+    batches = [m for m in ref.metrics() if m.get("kind") == "batch"] if ref is not None else []
+    if not batches:
+        plan = os.path.join(ctx.work, "plan.jsonl")
+        subprocess.run([ctx.orch, "plan", "--synthetic", str(ctx.args.samples), "--max-len", str(ctx.args.max_len),
+                        "--token-budget", str(ctx.args.token_budget), "--dump", plan], capture_output=True,
+                       timeout=60, env=ctx.env)
+        batches = read_jsonl(plan)
+    seq = int(statistics.median(int(b["max_len"]) for b in batches)) if batches else ctx.args.max_len // 2
+    batch = max(1, ctx.args.token_budget // max(seq, 1))
+    out_json = os.path.join(ctx.work, "pytorch.json")
+    cmd = [ctx.args.python, os.path.abspath(__file__), "_pytorch_side", "--bench", bench, "--model", ctx.model,
+           "--device", "cpu" if ctx.cpu else "cuda", "--dtype", ctx.dtype, "--batch", str(batch), "--seq", str(seq),
+           "--target-layer-ids", ",".join(map(str, d["target_layer_ids"])),
+           "--draft-layers", str(d["draft_layers"]), "--block-size", str(d["block_size"]),
+           "--num-anchors", str(d["num_anchors"]), "--mask-token-id", str(d["mask_token_id"]),
+           "--lr", repr(d.get("lr", 6e-4)), "--weight-decay", repr(d.get("weight_decay", 0.01)),
+           "--clip", repr(d.get("clip", 1.0)), "--iters", str(3 if ctx.cpu else 5), "--json", out_json]
+    if d.get("gamma") is not None:
+        cmd += ["--gamma", repr(d["gamma"])]
+    log(f"pytorch: {batch} x {seq} tokens, {d['draft_layers']} drafter layers, {d['num_anchors']} anchors "
+        f"({os.path.basename(ctx.args.python)})")
+    env = dict(os.environ)
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_NO_ADVISORY_WARNINGS="1", TOKENIZERS_PARALLELISM="false")
+    if ctx.cpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=ctx.remaining(ctx.args.torch_timeout),
+                             env=env)
+    except subprocess.TimeoutExpired:
+        raise StepFailed(f"the PyTorch side did not finish within {ctx.args.torch_timeout} s") from None
+    if out.returncode != 0:
+        raise StepFailed(f"the PyTorch side exited {out.returncode}: {out.stderr.strip()[-1500:]}")
+    with open(out_json) as f:
+        res = json.load(f)
+    res["settings_from"] = source
+    rust = (ctx.results.get("dflash") or {}).get("tokens_per_s")
+    res["rust_tokens_per_s"] = rust
+    res["ratio"] = round(rust / res["tokens_per_s"], 3) if rust and res.get("tokens_per_s") else None
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# The PyTorch side, in its own process (so that its GPU memory is gone when it ends).
+
+
+def pytorch_side(argv):
+    ap = argparse.ArgumentParser(prog="gpu_check.py _pytorch_side")
+    ap.add_argument("--bench", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", choices=["bf16", "f32"], default="bf16")
+    ap.add_argument("--batch", type=int, required=True)
+    ap.add_argument("--seq", type=int, required=True)
+    ap.add_argument("--target-layer-ids", required=True)
+    ap.add_argument("--draft-layers", type=int, required=True)
+    ap.add_argument("--block-size", type=int, required=True)
+    ap.add_argument("--num-anchors", type=int, required=True)
+    ap.add_argument("--mask-token-id", type=int, required=True)
+    ap.add_argument("--gamma", type=float, default=None)
+    ap.add_argument("--lr", type=float, default=6e-4)
+    ap.add_argument("--weight-decay", type=float, default=0.01)
+    ap.add_argument("--clip", type=float, default=1.0)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", required=True)
+    a = ap.parse_args(argv)
+
+    import contextlib
+    import random
+
+    import torch
+    import torch.nn.functional as F
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(a.bench)))
+    import bench_dflash as bd  # the drafter port: loss_parts, param_names
+
+    transformers.utils.logging.set_verbosity_error()
+    device = torch.device(a.device)
+    cuda = device.type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("torch.cuda.is_available() is False")
+    bf16 = a.dtype == "bf16"
+    torch.manual_seed(a.seed)
+    rng = random.Random(a.seed)
+    # bench_dflash.py builds its index and mask tensors without a device: they follow this default.
+    torch.set_default_device(device)
+    if bf16:
+        # Mixed precision for the drafter: float32 weights, bf16 matmuls (autocast), norms in float32
+        # (the port's norms take float32 weights while autocast hands them bf16 activations).
+        plain_rms_norm = F.rms_norm
+
+        def rms_norm(x, shape, weight=None, eps=None):
+            return plain_rms_norm(x.float(), shape, None if weight is None else weight.float(), eps)
+
+        F.rms_norm = rms_norm
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    t_load = time.monotonic()
+    with torch.device("cpu"):
+        try:
+            model = AutoModelForCausalLM.from_pretrained(a.model, dtype=dtype, attn_implementation="sdpa")
+        except TypeError:
+            model = AutoModelForCausalLM.from_pretrained(a.model, torch_dtype=dtype, attn_implementation="sdpa")
+    model = model.to(device).eval()
+    load_s = time.monotonic() - t_load
+    tc = model.config
+    ids_layers = [int(x) for x in a.target_layer_ids.split(",")]
+    b, s = a.batch, a.seq
+    prompt = max(1, s // 8)
+    vocab = tc.vocab_size
+    tokens = torch.randint(0, vocab - 1, (b, s))
+    real = b * s
+
+    def target_forward():
+        with torch.no_grad():
+            out = model.model(input_ids=tokens, attention_mask=torch.ones_like(tokens), output_hidden_states=True,
+                              use_cache=False)
+            return torch.cat([out.hidden_states[k + 1] for k in ids_layers], dim=-1)
+
+    t_times = []
+    for i in range(a.warmup + a.iters):
+        sync()
+        t0 = time.perf_counter()
+        features = target_forward()
+        sync()
+        if i >= a.warmup:
+            t_times.append(time.perf_counter() - t0)
+
+    sd = model.state_dict()
+    embedding = sd["model.embed_tokens.weight"].detach()
+    lm_head = (sd["lm_head.weight"] if "lm_head.weight" in sd else embedding).detach()
+    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    cfg = {"hidden": tc.hidden_size, "intermediate": tc.intermediate_size, "layers": a.draft_layers,
+           "heads": tc.num_attention_heads, "kv_heads": tc.num_key_value_heads, "head_dim": head_dim,
+           "rms_eps": tc.rms_norm_eps, "rope_theta": bd.wl_rope_theta(a.model),
+           "block_size": a.block_size, "mask_token_id": a.mask_token_id}
+    h, inter, heads, kv = cfg["hidden"], cfg["intermediate"], cfg["heads"], cfg["kv_heads"]
+    shapes = {"fc.weight": (h, len(ids_layers) * h), "hidden_norm.weight": (h,), "norm.weight": (h,)}
+    for i in range(a.draft_layers):
+        p = f"layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (heads * head_dim, h), p + "self_attn.k_proj.weight": (kv * head_dim, h),
+            p + "self_attn.v_proj.weight": (kv * head_dim, h), p + "self_attn.o_proj.weight": (h, heads * head_dim),
+            p + "self_attn.q_norm.weight": (head_dim,), p + "self_attn.k_norm.weight": (head_dim,),
+            p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter)})
+    names = bd.param_names(a.draft_layers)
+    assert set(names) == set(shapes), sorted(set(names) ^ set(shapes))
+    P = {n: torch.nn.Parameter(torch.ones(shapes[n]) if len(shapes[n]) == 1 else torch.randn(shapes[n]) * 0.02)
+         for n in names}
+    params = [P[n] for n in names]
+    opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=a.weight_decay, **({"fused": True} if cuda else {}))
+    loss_mask = [0] * prompt + [1] * (s - prompt)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+
+    def block_weight(anchors):
+        """The loss weight of a sequence's blocks, as loss_parts counts it (known before the forward)."""
+        total = 0.0
+        for anchor in anchors:
+            for k in range(1, a.block_size):
+                t = anchor + k
+                if t < s and loss_mask[t]:
+                    total += 1.0 if a.gamma is None else math.exp(-(k - 1.0) / a.gamma)
+        return total
+
+    d_times, losses = [], []
+    tokens_rows = tokens.tolist()
+    for i in range(a.warmup + a.iters):
+        positions = range(prompt, s - 1)
+        anchors = [sorted(rng.sample(positions, min(a.num_anchors, len(positions)))) for _ in range(b)]
+        weight = sum(block_weight(x) for x in anchors)
+        sync()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        # The mean over the batch, back-propagated one sequence at a time (the gradient is the same;
+        # only one sequence's logits over the whole vocabulary are alive at once).
+        total = torch.zeros((), dtype=torch.float32)
+        for row in range(b):
+            with autocast:
+                part, _w, _acc = bd.loss_parts(P, cfg, features[row], tokens_rows[row], loss_mask, anchors[row],
+                                               embedding, lm_head, a.gamma, "sdpa")
+            (part / weight).backward()
+            total += part.detach().float()
+        torch.nn.utils.clip_grad_norm_(params, a.clip)
+        opt.step()
+        losses.append(float(total) / weight)
+        sync()
+        if i >= a.warmup:
+            d_times.append(time.perf_counter() - t0)
+
+    tm, dm = statistics.median(t_times), statistics.median(d_times)
+    result = {
+        "torch": torch.__version__, "transformers": transformers.__version__, "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if cuda else None,
+        "precision": "target bf16; drafter float32 weights with bf16 autocast" if bf16 else "float32",
+        "batch": b, "seq": s, "prompt_without_loss": prompt, "tokens_per_batch": real,
+        "drafter": {"layers": a.draft_layers, "block_size": a.block_size, "num_anchors": a.num_anchors,
+                    "target_layer_ids": ids_layers},
+        "iterations": {"warmup": a.warmup, "timed": a.iters}, "model_load_s": round(load_s, 2),
+        "target_forward_s": round(tm, 5), "train_step_s": round(dm, 5),
+        "target_tokens_per_s": round(real / tm, 1), "train_tokens_per_s": round(real / dm, 1),
+        # Target forward and drafter step one after the other, as one process on one GPU does.
+        "tokens_per_s": round(real / (tm + dm), 1),
+        "losses": [round(x, 5) for x in losses],
+        "peak_gpu_memory_mib": round(torch.cuda.max_memory_allocated(device) / MIB) if cuda else None,
+    }
+    with open(a.json, "w") as f:
+        json.dump(result, f, indent=1)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+class Context:
+    def __init__(self, args):
+        self.args = args
+        self.cpu = args.cpu
+        self.pair = args.gpus or ("cpu:2" if args.cpu else "0,0")
+        self.dtype = "f32" if args.cpu else "bf16"
+        self.model = None
+        self.reference = None
+        self.results = {}
+        self.deadline = T0 + args.budget
+
+    def remaining(self, want, reserve=0.0):
+        """`want` seconds, or what is left of the time budget less `reserve` (at least 1)."""
+        return max(1.0, min(want, self.deadline - time.monotonic() - reserve))
+
+
+def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "_pytorch_side":
+        return pytorch_side(sys.argv[2:])
+    ap = argparse.ArgumentParser(
+        prog="gpu-check", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="The GPU check of dflash-orch (docs/gpu-check.md). Steps, each recorded in the summary "
+                    "with \"ok\"\nand, when it failed, \"error\"; a failed step does not stop the ones after it:\n\n"
+                    + __doc__.split("after it:\n\n", 1)[1],
+        epilog="Run from the folder scripts/package-gpu-check made (it finds the binaries beside itself), or from "
+               "the repository (target/release/dflash-orch, target/cuda/release/dflash-worker).")
+    ap.add_argument("--cpu", action="store_true",
+                    help="the same flow on CPU workers (cpu:2, f32, a tiny model, a small budget): tests this script "
+                         "without a GPU")
+    ap.add_argument("--bin-dir", help="where dflash-orch and dflash-worker are [default: beside this script, or the "
+                                      "repository's target/]")
+    ap.add_argument("--gpus", help="--gpus of the runs: the target and the drafter worker [default: 0,0, both on "
+                                   "GPU 0; --cpu: cpu:2]")
+    ap.add_argument("--work", help="working folder, kept [default: a temporary one, removed when every step passed]")
+    ap.add_argument("--json", help="also write the summary here")
+    ap.add_argument("--python", default=sys.executable, help="the Python with torch and transformers "
+                                                             "[default: this one]")
+    ap.add_argument("--samples", type=int, help="synthetic samples of the DFlash runs [default: 256; --cpu: 192]")
+    ap.add_argument("--max-len", type=int, help="--max-len of the DFlash runs [default: 4096; --cpu: 512]")
+    ap.add_argument("--token-budget", type=int, help="--token-budget of the DFlash runs [default: 16384; --cpu: 2048]")
+    ap.add_argument("--save-every", type=int, default=2, help="checkpoint every N optimiser steps [default: 2]")
+    ap.add_argument("--launch-arg", action="append", default=[], metavar="ARG",
+                    help="one more argument for both DFlash launches (repeat it: --launch-arg=--num-anchors "
+                         "--launch-arg=64)")
+    ap.add_argument("--tolerance", type=float, default=2e-2,
+                    help="largest relative loss difference per step after the crash [default: 0.02]")
+    ap.add_argument("--run-timeout", type=float, default=180, help="seconds one DFlash run may take [default: 180]")
+    ap.add_argument("--torch-timeout", type=float, default=120, help="seconds the PyTorch side may take [default: 120]")
+    ap.add_argument("--budget", type=float, default=470, help="seconds for the whole check [default: 470]")
+    ap.add_argument("--skip", action="append", default=[], choices=["nvml", "crash_resume", "pytorch"],
+                    help="leave a step out (repeatable)")
+    args = ap.parse_args()
+    args.samples = args.samples or (192 if args.cpu else 256)
+    args.max_len = args.max_len or (512 if args.cpu else 4096)
+    args.token_budget = args.token_budget or (2048 if args.cpu else 16384)
+    if args.cpu:
+        # A tiny drafter, so that a CPU run takes seconds.
+        have = " ".join(args.launch_arg)
+        if "--draft-layers" not in have:
+            args.launch_arg += ["--draft-layers", "1"]
+        if "--num-anchors" not in have:
+            args.launch_arg += ["--num-anchors", "16"]
+    for name in ("samples", "max_len", "token_budget", "save_every"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1")
+
+    ctx = Context(args)
+    try:
+        ctx.orch, ctx.worker = find_binaries(args)
+    except OSError as e:
+        print(f"gpu-check: {e}", file=sys.stderr)
+        return 2
+    ctx.work = os.path.abspath(args.work) if args.work else tempfile.mkdtemp(prefix="gpu-check.")
+    os.makedirs(ctx.work, exist_ok=True)
+    ctx.env = child_env(args, ctx.worker)
+    ctx.dtype_flags = "--dtype" in help_text(ctx.orch, "launch")
+    log(f"{'CPU' if args.cpu else 'GPU'} mode; binaries {ctx.orch}, {ctx.worker}; work {ctx.work}")
+
+    summary = {"mode": "cpu" if args.cpu else "gpu", "ok": True, "work": ctx.work,
+               "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "steps": ctx.results}
+    build = os.path.join(os.path.dirname(ctx.orch), "BUILD.json")
+    if os.path.exists(build):
+        with open(build) as f:
+            summary["build"] = json.load(f)
+    steps = [("capabilities", step_capabilities), ("copy", step_copy), ("nvml", step_nvml), ("model", step_model),
+             ("dflash", step_dflash), ("crash_resume", step_crash_resume), ("pytorch", step_pytorch)]
+    for name, fn in steps:
+        if name in args.skip:
+            ctx.results[name] = {"ok": True, "skipped": "--skip"}
+            continue
+        if time.monotonic() > ctx.deadline:
+            ctx.results[name] = {"ok": False, "error": f"not run: the {args.budget:g} s budget is spent"}
+            summary["ok"] = False
+            continue
+        log(f"{name} ...")
+        t = time.monotonic()
+        try:
+            res = {"ok": True, **fn(ctx)}
+        except StepFailed as e:
+            res = {"ok": False, "error": str(e), **e.partial}
+        except Exception as e:  # noqa: BLE001 - one step's surprise must not stop the others
+            res = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        res["seconds"] = round(time.monotonic() - t, 1)
+        ctx.results[name] = res
+        summary["ok"] = summary["ok"] and res["ok"]
+        log(f"{name}: {'ok' if res['ok'] else 'FAILED: ' + res['error'][:300]} ({res['seconds']} s)")
+
+    d, p = ctx.results.get("dflash", {}), ctx.results.get("pytorch", {})
+    summary["headline"] = {
+        "tokens_per_s": d.get("tokens_per_s"), "pytorch_tokens_per_s": p.get("tokens_per_s"),
+        "ratio": p.get("ratio"), "loss_falls": d.get("loss_falls"),
+        "peak_gpu_memory_mib": d.get("peak_gpu_memory_mib"),
+        "feature_copy_gb_s": ctx.results.get("copy", {}).get("copies"),
+        "crash_resume_max_rel_deviation": ctx.results.get("crash_resume", {}).get("max_rel_deviation"),
+    }
+    summary["elapsed_s"] = round(time.monotonic() - T0, 1)
+    text = json.dumps(summary, indent=1, default=str)
+    with open(os.path.join(ctx.work, "summary.json"), "w") as f:
+        f.write(text + "\n")
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    if summary["ok"] and not args.work:
+        shutil.rmtree(ctx.work, ignore_errors=True)
+        summary["work"] = None
+        text = json.dumps(summary, indent=1, default=str)
+    else:
+        log(f"kept {ctx.work}")
+    log("every step passed" if summary["ok"] else
+        "failed: " + ", ".join(k for k, v in ctx.results.items() if not v.get("ok")))
+    print(text)
+    return 0 if summary["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
