@@ -1,10 +1,14 @@
-//! `dflash-orch init-tiny`: a small random-weight target of the Qwen3 architecture, for tests and
-//! the demo (no downloads).
+//! `dflash-orch init-tiny`: a random-weight target of the Qwen3 architecture, for tests, the demo
+//! and scale rehearsals (no downloads): the tiny default, or any Qwen3 shape up to a real one
+//! (`--preset qwen3-0.6b`), written as one safetensors file streamed to disk.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use clap::Args;
+use clap::builder::RangedU64ValueParser;
 use serde_json::json;
 
 use crate::cli::CliError;
@@ -13,7 +17,61 @@ use crate::planner::rng::{PlanRng, Purpose};
 /// The byte-level BPE tokenizer of the tiny target (chatml and llama3 special tokens included).
 const TOKENIZER: &str = include_str!("../../assets/tiny-tokenizer.json");
 
+/// A named Qwen3 shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Preset {
+    /// Hidden 64, 4 layers, 4 heads / 2 key-value heads, head_dim hidden/4, intermediate
+    /// 2 × hidden, the bundled tokenizer's vocabulary (600): the model of the tests and the demo.
+    Tiny,
+    /// Qwen3-0.6B's shape: hidden 1024, 28 layers, 16 heads / 8 key-value heads, head_dim 128,
+    /// intermediate 3072, vocab 151936, tied embeddings (random weights, the bundled tokenizer).
+    #[value(name = "qwen3-0.6b")]
+    Qwen3_0_6b,
+}
+
+/// The element type of the written weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum WeightDtype {
+    F32,
+    Bf16,
+}
+
+impl WeightDtype {
+    fn width(self) -> usize {
+        match self {
+            WeightDtype::F32 => 4,
+            WeightDtype::Bf16 => 2,
+        }
+    }
+
+    fn safetensors(self) -> safetensors::Dtype {
+        match self {
+            WeightDtype::F32 => safetensors::Dtype::F32,
+            WeightDtype::Bf16 => safetensors::Dtype::BF16,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            WeightDtype::F32 => "f32",
+            WeightDtype::Bf16 => "bf16",
+        }
+    }
+
+    fn torch_name(self) -> &'static str {
+        match self {
+            WeightDtype::F32 => "float32",
+            WeightDtype::Bf16 => "bfloat16",
+        }
+    }
+}
+
 #[derive(Debug, Clone, Args)]
+#[command(after_help = "\
+The weights are random (seeded) and the tokenizer is always the bundled tiny one (600 tokens). \
+A --vocab larger than that gives embedding rows no tokenizer text maps to: fine for synthetic and \
+pre-tokenized runs whose token ids are below --vocab, and for a real shape's memory and speed; a \
+--vocab below 600 is refused. Explicit shape options override the preset's values.")]
 pub struct InitTinyArgs {
     /// The model directory to write (config.json, model.safetensors, tokenizer.json).
     #[arg(long, value_name = "DIR")]
@@ -23,22 +81,53 @@ pub struct InitTinyArgs {
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
 
-    /// Hidden size.
-    #[arg(long, default_value_t = 64,
-          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(16..=8192))]
-    pub hidden_size: usize,
+    /// The shape to start from: tiny (the tests' and the demo's model) or qwen3-0.6b (Qwen3-0.6B's
+    /// real shape and config).
+    #[arg(long, value_name = "NAME", value_enum, default_value_t = Preset::Tiny)]
+    pub preset: Preset,
 
-    /// Decoder layers.
-    #[arg(long, default_value_t = 4,
-          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=64))]
-    pub layers: usize,
+    /// Hidden size [default: the preset's: tiny 64, qwen3-0.6b 1024].
+    #[arg(long, value_name = "N", value_parser = RangedU64ValueParser::<usize>::new().range(16..=32768))]
+    pub hidden_size: Option<usize>,
+
+    /// Decoder layers [default: the preset's: tiny 4, qwen3-0.6b 28].
+    #[arg(long, value_name = "N", value_parser = RangedU64ValueParser::<usize>::new().range(1..=256))]
+    pub layers: Option<usize>,
+
+    /// Attention (query) heads; a multiple of --kv-heads [default: the preset's: tiny 4,
+    /// qwen3-0.6b 16].
+    #[arg(long, value_name = "N", value_parser = RangedU64ValueParser::<usize>::new().range(1..=1024))]
+    pub heads: Option<usize>,
+
+    /// Key/value heads (grouped-query attention) [default: the preset's: tiny 2, qwen3-0.6b 8].
+    #[arg(long, value_name = "N", value_parser = RangedU64ValueParser::<usize>::new().range(1..=1024))]
+    pub kv_heads: Option<usize>,
+
+    /// Dimension of one head, even (RoPE rotates pairs) [default: the preset's: tiny
+    /// hidden/heads, qwen3-0.6b 128].
+    #[arg(long, value_name = "N", value_parser = RangedU64ValueParser::<usize>::new().range(2..=1024))]
+    pub head_dim: Option<usize>,
+
+    /// MLP intermediate size [default: the preset's: tiny 2 × hidden, qwen3-0.6b 3072].
+    #[arg(long, value_name = "N", value_parser = RangedU64ValueParser::<usize>::new().range(1..=262144))]
+    pub intermediate: Option<usize>,
+
+    /// Vocabulary size (embedding rows), at least the bundled tokenizer's 600 [default: the
+    /// preset's: tiny 600, qwen3-0.6b 151936].
+    #[arg(long, value_name = "N", value_parser = RangedU64ValueParser::<usize>::new().range(1..=4_194_304))]
+    pub vocab: Option<usize>,
+
+    /// Element type of model.safetensors: f32, or bf16 (half the size).
+    #[arg(long, value_name = "DTYPE", value_enum, default_value_t = WeightDtype::F32)]
+    pub dtype: WeightDtype,
 
     /// Replace DIR if it exists.
     #[arg(long)]
     pub force: bool,
 }
 
-/// The shape of the tiny model.
+/// The shape of the model.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TinyShape {
     pub vocab: usize,
     pub hidden: usize,
@@ -49,7 +138,110 @@ pub struct TinyShape {
     pub head_dim: usize,
 }
 
-/// `(name, shape, is_norm)` of every tensor of a Qwen3 model, in a fixed order.
+/// Everything the written model is made of, the preset's and the options' values resolved.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelSpec {
+    pub shape: TinyShape,
+    pub tie_word_embeddings: bool,
+    pub max_position_embeddings: usize,
+    pub rope_theta: f64,
+    pub rms_norm_eps: f64,
+    pub dtype: WeightDtype,
+}
+
+/// The tokenizer's vocabulary: its model's tokens and the added tokens beyond them.
+fn tokenizer_vocab(tokenizer: &serde_json::Value) -> usize {
+    let base = tokenizer["model"]["vocab"]
+        .as_object()
+        .map_or(0, |v| v.len());
+    base + tokenizer["added_tokens"].as_array().map_or(0, |a| {
+        a.iter()
+            .filter(|t| t["id"].as_u64().unwrap_or(0) as usize >= base)
+            .count()
+    })
+}
+
+impl InitTinyArgs {
+    /// The model to write, or why the options do not describe a usable Qwen3 shape.
+    pub fn spec(&self, tokenizer_vocab: usize) -> Result<ModelSpec, String> {
+        let (hidden, layers) = match self.preset {
+            Preset::Tiny => (64, 4),
+            Preset::Qwen3_0_6b => (1024, 28),
+        };
+        let hidden = self.hidden_size.unwrap_or(hidden);
+        let layers = self.layers.unwrap_or(layers);
+        // The tiny preset's other sizes follow the hidden size.
+        let (heads, kv_heads, intermediate, vocab) = match self.preset {
+            Preset::Tiny => (4, 2, 2 * hidden, tokenizer_vocab),
+            Preset::Qwen3_0_6b => (16, 8, 3072, 151_936),
+        };
+        let heads = self.heads.unwrap_or(heads);
+        let kv_heads = self.kv_heads.unwrap_or(kv_heads);
+        let intermediate = self.intermediate.unwrap_or(intermediate);
+        let vocab = self.vocab.unwrap_or(vocab);
+        if !heads.is_multiple_of(kv_heads) {
+            return Err(format!(
+                "--heads {heads} is not a multiple of --kv-heads {kv_heads} (each key/value head serves a whole group of query heads)"
+            ));
+        }
+        let head_dim = match (self.head_dim, self.preset) {
+            (Some(d), _) => d,
+            (None, Preset::Qwen3_0_6b) => 128,
+            (None, Preset::Tiny) => {
+                if !hidden.is_multiple_of(heads) {
+                    return Err(format!(
+                        "--hidden-size {hidden} is not a multiple of --heads {heads}: pass --head-dim, or a hidden size that is"
+                    ));
+                }
+                hidden / heads
+            }
+        };
+        if !head_dim.is_multiple_of(2) {
+            return Err(format!(
+                "head_dim {head_dim} is odd (RoPE rotates pairs of dimensions): pass an even --head-dim{}",
+                if self.head_dim.is_none() {
+                    " or a --hidden-size whose share per head is even"
+                } else {
+                    ""
+                }
+            ));
+        }
+        if heads * head_dim > 65536 {
+            return Err(format!(
+                "--heads {heads} × head_dim {head_dim} = {} is too large (at most 65536)",
+                heads * head_dim
+            ));
+        }
+        if vocab < tokenizer_vocab {
+            return Err(format!(
+                "--vocab {vocab} is smaller than the bundled tokenizer's {tokenizer_vocab} tokens (its ids would fall outside the embedding)"
+            ));
+        }
+        let (tie_word_embeddings, max_position_embeddings) = match self.preset {
+            Preset::Tiny => (false, 8192),
+            Preset::Qwen3_0_6b => (true, 40960),
+        };
+        Ok(ModelSpec {
+            shape: TinyShape {
+                vocab,
+                hidden,
+                intermediate,
+                layers,
+                heads,
+                kv_heads,
+                head_dim,
+            },
+            tie_word_embeddings,
+            max_position_embeddings,
+            rope_theta: 1_000_000.0,
+            rms_norm_eps: 1e-6,
+            dtype: self.dtype,
+        })
+    }
+}
+
+/// `(name, shape, is_norm)` of every tensor of a Qwen3 model, in a fixed order (the order the
+/// random weights are drawn in).
 pub fn tensor_layout(s: &TinyShape) -> Vec<(String, Vec<usize>, bool)> {
     let mut t = vec![(
         "model.embed_tokens.weight".to_owned(),
@@ -116,110 +308,259 @@ pub fn tensor_layout(s: &TinyShape) -> Vec<(String, Vec<usize>, bool)> {
     t
 }
 
-pub fn run(args: InitTinyArgs) -> Result<(), CliError> {
-    if args.hidden_size < 16
-        || !args.hidden_size.is_multiple_of(16)
-        || args.layers == 0
-        || args.layers > 64
-    {
-        return Err(CliError::Invalid(
-            "--hidden-size must be a multiple of 16 (>= 16) and --layers 1..=64".into(),
-        ));
+/// The tensors a model of `spec` stores, in drawing order: the layout, less the output head when
+/// it is tied to the embedding (as Hugging Face checkpoints of tied models store it).
+fn stored_tensors(spec: &ModelSpec) -> Vec<(String, Vec<usize>, bool)> {
+    let mut layout = tensor_layout(&spec.shape);
+    if spec.tie_word_embeddings {
+        layout.retain(|(name, ..)| name != "lm_head.weight");
     }
+    layout
+}
+
+/// A standard normal deviate from two consecutive outputs of the generator, exactly as
+/// `PlanRng::standard_normal` computes it from them (Box–Muller): drawing the raw numbers in
+/// order and transforming them on several threads gives the sequential stream's values.
+fn standard_normal(a: u64, b: u64) -> f64 {
+    let unit = |x: u64| (x >> 11) as f64 * (1.0 / (1u64 << 53) as f64);
+    let u1 = 1.0 - unit(a);
+    let u2 = unit(b);
+    (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
+}
+
+/// bfloat16 bits of a finite `f32`, rounded to nearest, ties to even (what PyTorch's `.to(bfloat16)`
+/// does).
+fn bf16_bits(x: f32) -> u16 {
+    let bits = x.to_bits();
+    let rounded = bits.wrapping_add(0x7FFF + ((bits >> 16) & 1));
+    (rounded >> 16) as u16
+}
+
+/// The start of a safetensors file, and where its data goes.
+struct Header {
+    /// The 8-byte length, then the JSON table padded to 8 bytes, as the `safetensors` crate writes
+    /// it (tensors sorted by name).
+    bytes: Vec<u8>,
+    /// Each tensor's data offset after the header.
+    offsets: HashMap<String, usize>,
+    /// Bytes of data after the header.
+    data_len: usize,
+}
+
+fn safetensors_header(
+    tensors: &[(String, Vec<usize>, bool)],
+    dtype: WeightDtype,
+) -> Result<Header, String> {
+    let mut sorted: Vec<&(String, Vec<usize>, bool)> = tensors.iter().collect();
+    sorted.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut offset = 0usize;
+    let mut offsets = HashMap::new();
+    let mut infos = Vec::with_capacity(sorted.len());
+    for (name, dims, _) in sorted {
+        let bytes = dims
+            .iter()
+            .try_fold(dtype.width(), |acc, &d| acc.checked_mul(d))
+            .ok_or_else(|| format!("{name} is too large"))?;
+        let end = offset
+            .checked_add(bytes)
+            .ok_or_else(|| "the model is too large".to_owned())?;
+        offsets.insert(name.clone(), offset);
+        infos.push((
+            name.clone(),
+            safetensors::tensor::TensorInfo {
+                dtype: dtype.safetensors(),
+                shape: dims.clone(),
+                data_offsets: (offset, end),
+            },
+        ));
+        offset = end;
+    }
+    let metadata: HashMap<String, String> = [("format".to_owned(), "pt".to_owned())].into();
+    let table = safetensors::tensor::Metadata::new(Some(metadata), infos)
+        .map_err(|e| format!("cannot describe the tensors: {e}"))?;
+    let mut json = serde_json::to_string(&table)
+        .map_err(|e| format!("cannot describe the tensors: {e}"))?
+        .into_bytes();
+    json.resize(json.len().next_multiple_of(8), b' ');
+    let mut bytes = (json.len() as u64).to_le_bytes().to_vec();
+    bytes.extend(json);
+    Ok(Header {
+        bytes,
+        offsets,
+        data_len: offset,
+    })
+}
+
+/// Elements drawn and written at a time: bounds the memory to a few tens of MB for any model.
+const CHUNK: usize = 1 << 20;
+
+/// Writes the random weights of `spec` to `path`: the header, then each tensor drawn in layout
+/// order from one seeded stream and written at its place in the file, a chunk at a time (the
+/// Box–Muller transforms of a chunk on every core). Stops with `Interrupted` when `stop` is set.
+fn write_weights(
+    path: &Path,
+    spec: &ModelSpec,
+    seed: u64,
+    stop: &AtomicBool,
+) -> Result<u64, WriteError> {
+    let tensors = stored_tensors(spec);
+    let header = safetensors_header(&tensors, spec.dtype).map_err(WriteError::Shape)?;
+    let file = std::fs::File::create(path).map_err(WriteError::Io)?;
+    let base = header.bytes.len() as u64;
+    let total = base + header.data_len as u64;
+    file.set_len(total).map_err(WriteError::Io)?;
+    file.write_all_at(&header.bytes, 0)
+        .map_err(WriteError::Io)?;
+    let width = spec.dtype.width();
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .clamp(1, 16);
+    let mut rng = PlanRng::stream(seed, 0, Purpose::Synthetic);
+    let mut raw = vec![0u64; 2 * CHUNK];
+    let mut out = vec![0u8; CHUNK * width];
+    for (name, dims, is_norm) in &tensors {
+        let n: usize = dims.iter().product();
+        // The embedding and output head are drawn at the scale of a trained model's (logits of a
+        // few units), so that a drafter trained through them can express confident predictions;
+        // the decoder matrices at the usual 0.02.
+        let std = if name.contains("embed_tokens") || name.starts_with("lm_head") {
+            4.0 / (spec.shape.hidden as f64).sqrt()
+        } else {
+            0.02
+        };
+        let mut at = base + header.offsets[name] as u64;
+        let mut left = n;
+        while left > 0 {
+            if stop.load(Ordering::Relaxed) {
+                return Err(WriteError::Interrupted);
+            }
+            let len = left.min(CHUNK);
+            let bytes = &mut out[..len * width];
+            if *is_norm {
+                let one: &[u8] = match spec.dtype {
+                    WeightDtype::F32 => &1.0f32.to_le_bytes(),
+                    WeightDtype::Bf16 => &bf16_bits(1.0).to_le_bytes(),
+                };
+                for b in bytes.chunks_exact_mut(width) {
+                    b.copy_from_slice(one);
+                }
+            } else {
+                let raw = &mut raw[..2 * len];
+                for x in raw.iter_mut() {
+                    *x = rng.next_u64();
+                }
+                let per = len.div_ceil(threads).max(4096);
+                let fill = |raw: &[u64], bytes: &mut [u8]| {
+                    for (pair, b) in raw.chunks_exact(2).zip(bytes.chunks_exact_mut(width)) {
+                        let v = (std * standard_normal(pair[0], pair[1])) as f32;
+                        match spec.dtype {
+                            WeightDtype::F32 => b.copy_from_slice(&v.to_le_bytes()),
+                            WeightDtype::Bf16 => b.copy_from_slice(&bf16_bits(v).to_le_bytes()),
+                        }
+                    }
+                };
+                std::thread::scope(|scope| {
+                    let mut parts = raw.chunks(2 * per).zip(bytes.chunks_mut(per * width));
+                    let first = parts.next();
+                    for (r, b) in parts {
+                        scope.spawn(move || fill(r, b));
+                    }
+                    if let Some((r, b)) = first {
+                        fill(r, b);
+                    }
+                });
+            }
+            file.write_all_at(bytes, at).map_err(WriteError::Io)?;
+            at += bytes.len() as u64;
+            left -= len;
+        }
+    }
+    Ok(total)
+}
+
+enum WriteError {
+    Shape(String),
+    Io(std::io::Error),
+    Interrupted,
+}
+
+/// The config.json of `spec`.
+fn config_json(spec: &ModelSpec) -> serde_json::Value {
+    let s = &spec.shape;
+    json!({
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": s.vocab,
+        "hidden_size": s.hidden,
+        "intermediate_size": s.intermediate,
+        "num_hidden_layers": s.layers,
+        "num_attention_heads": s.heads,
+        "num_key_value_heads": s.kv_heads,
+        "head_dim": s.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": spec.max_position_embeddings,
+        "rms_norm_eps": spec.rms_norm_eps,
+        "rope_theta": spec.rope_theta,
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        "attention_bias": false,
+        "attention_dropout": 0.0,
+        "use_sliding_window": false,
+        "torch_dtype": spec.dtype.torch_name(),
+        // The bundled tokenizer's ids (<|begin_of_text|>, <|im_end|>), whatever the shape.
+        "bos_token_id": 3,
+        "eos_token_id": 2,
+    })
+}
+
+/// Bytes free for an unprivileged user on the file system of `dir`.
+fn free_bytes(dir: &Path) -> Option<u64> {
+    let s = nix::sys::statvfs::statvfs(dir).ok()?;
+    Some((s.blocks_available() as u64).saturating_mul(s.fragment_size() as u64))
+}
+
+fn human_bytes(b: u64) -> String {
+    let b = b as f64;
+    if b >= 1e9 {
+        format!("{:.2} GB", b / 1e9)
+    } else if b >= 1e6 {
+        format!("{:.1} MB", b / 1e6)
+    } else {
+        format!("{:.1} kB", b / 1e3)
+    }
+}
+
+pub fn run(args: InitTinyArgs) -> Result<(), CliError> {
+    let tokenizer: serde_json::Value = serde_json::from_str(TOKENIZER).expect("embedded tokenizer");
+    let spec = args
+        .spec(tokenizer_vocab(&tokenizer))
+        .map_err(CliError::Invalid)?;
+    let tensors = stored_tensors(&spec);
+    let header = safetensors_header(&tensors, spec.dtype).map_err(CliError::Invalid)?;
+    let size = header.bytes.len() as u64 + header.data_len as u64;
     if args.output.exists() && !args.force {
         return Err(CliError::Invalid(format!(
             "{} already exists (pass --force to replace it)",
             args.output.display()
         )));
     }
-    let tokenizer: serde_json::Value = serde_json::from_str(TOKENIZER).expect("embedded tokenizer");
-    let vocab = tokenizer["model"]["vocab"]
-        .as_object()
-        .map_or(0, |v| v.len())
-        + tokenizer["added_tokens"].as_array().map_or(0, |a| {
-            a.iter()
-                .filter(|t| {
-                    let id = t["id"].as_u64().unwrap_or(0) as usize;
-                    id >= tokenizer["model"]["vocab"]
-                        .as_object()
-                        .map_or(0, |v| v.len())
-                })
-                .count()
-        });
-    let heads = 4;
-    let shape = TinyShape {
-        vocab,
-        hidden: args.hidden_size,
-        intermediate: 2 * args.hidden_size,
-        layers: args.layers,
-        heads,
-        kv_heads: 2,
-        head_dim: args.hidden_size / heads,
-    };
-    let mut rng = PlanRng::stream(args.seed, 0, Purpose::Synthetic);
-    let layout = tensor_layout(&shape);
-    let data: Vec<Vec<u8>> = layout
-        .iter()
-        .map(|(name, dims, is_norm)| {
-            let n: usize = dims.iter().product();
-            // The embedding and output head are drawn at the scale of a trained model's (logits
-            // of a few units), so that a drafter trained through them can express confident
-            // predictions; the decoder matrices at the usual 0.02.
-            let std = if name.contains("embed_tokens") || name.starts_with("lm_head") {
-                4.0 / (shape.hidden as f64).sqrt()
-            } else {
-                0.02
-            };
-            let values: Vec<f32> = if *is_norm {
-                vec![1.0; n]
-            } else {
-                (0..n)
-                    .map(|_| (std * rng.standard_normal()) as f32)
-                    .collect()
-            };
-            values.iter().flat_map(|v| v.to_le_bytes()).collect()
-        })
-        .collect();
-    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = layout
-        .iter()
-        .zip(&data)
-        .map(|((name, dims, _), bytes)| {
-            let view =
-                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, dims.clone(), bytes)
-                    .expect("sizes match");
-            (name.clone(), view)
-        })
-        .collect();
-    let config = json!({
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "vocab_size": shape.vocab,
-        "hidden_size": shape.hidden,
-        "intermediate_size": shape.intermediate,
-        "num_hidden_layers": shape.layers,
-        "num_attention_heads": shape.heads,
-        "num_key_value_heads": shape.kv_heads,
-        "head_dim": shape.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": 8192,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1_000_000.0,
-        "tie_word_embeddings": false,
-        "attention_bias": false,
-        "attention_dropout": 0.0,
-        "use_sliding_window": false,
-        "torch_dtype": "float32",
-        "bos_token_id": 3,
-        "eos_token_id": 2,
-    });
     let io =
         |e: std::io::Error| CliError::io(format!("failed to write {}", args.output.display()), e);
     let parent = args
         .output
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(std::path::Path::new("."));
+        .unwrap_or(Path::new("."));
     std::fs::create_dir_all(parent).map_err(io)?;
+    if let Some(free) = free_bytes(parent)
+        && free < size + (1 << 20)
+    {
+        return Err(CliError::Invalid(format!(
+            "the weights take {} and {} has {} free",
+            human_bytes(size),
+            parent.display(),
+            human_bytes(free)
+        )));
+    }
     let temp = parent.join(format!(
         ".{}.tmp-{}",
         args.output
@@ -230,31 +571,306 @@ pub fn run(args: InitTinyArgs) -> Result<(), CliError> {
     ));
     let _ = std::fs::remove_dir_all(&temp);
     std::fs::create_dir(&temp).map_err(io)?;
-    let written = (|| -> std::io::Result<()> {
-        let metadata: HashMap<String, String> = [("format".to_owned(), "pt".to_owned())].into();
-        safetensors::serialize_to_file(views, Some(metadata), &temp.join("model.safetensors"))
-            .map_err(std::io::Error::other)?;
-        std::fs::write(
-            temp.join("config.json"),
-            serde_json::to_vec_pretty(&config)?,
-        )?;
-        std::fs::write(temp.join("tokenizer.json"), TOKENIZER)?;
+    let stop = crate::cli::watch_stop_signals();
+    let started = std::time::Instant::now();
+    let written = (|| -> Result<(), WriteError> {
+        write_weights(&temp.join("model.safetensors"), &spec, args.seed, &stop)?;
+        let config =
+            serde_json::to_vec_pretty(&config_json(&spec)).map_err(|e| WriteError::Io(e.into()))?;
+        std::fs::write(temp.join("config.json"), config).map_err(WriteError::Io)?;
+        std::fs::write(temp.join("tokenizer.json"), TOKENIZER).map_err(WriteError::Io)?;
         if args.output.exists() {
-            std::fs::remove_dir_all(&args.output)?;
+            std::fs::remove_dir_all(&args.output).map_err(WriteError::Io)?;
         }
-        std::fs::rename(&temp, &args.output)
+        std::fs::rename(&temp, &args.output).map_err(WriteError::Io)
     })();
     if let Err(e) = written {
         let _ = std::fs::remove_dir_all(&temp);
-        return Err(io(e));
+        return Err(match e {
+            WriteError::Shape(why) => CliError::Invalid(why),
+            WriteError::Io(e) => io(e),
+            WriteError::Interrupted => {
+                CliError::Interrupted(format!("{} was not written", args.output.display()))
+            }
+        });
     }
+    let s = &spec.shape;
     eprintln!(
-        "wrote a tiny Qwen3 target to {} ({} layers, hidden {}, vocab {}, seed {})",
+        "wrote a Qwen3 target to {} ({} layers, hidden {}, {} heads / {} kv heads of {}, intermediate {}, vocab {}{}; {} weights, {} in {:.1} s, seed {})",
         args.output.display(),
-        shape.layers,
-        shape.hidden,
-        shape.vocab,
+        s.layers,
+        s.hidden,
+        s.heads,
+        s.kv_heads,
+        s.head_dim,
+        s.intermediate,
+        s.vocab,
+        if spec.tie_word_embeddings {
+            ", tied embeddings"
+        } else {
+            ""
+        },
+        spec.dtype.name(),
+        human_bytes(size),
+        started.elapsed().as_secs_f64(),
         args.seed
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    /// A scratch directory of this test process, removed when dropped.
+    struct Scratch(PathBuf);
+
+    impl Scratch {
+        fn new(name: &str) -> Self {
+            let dir = std::env::temp_dir()
+                .join(format!("dflash-init-tiny-{name}-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(&dir).unwrap();
+            Scratch(dir)
+        }
+    }
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: InitTinyArgs,
+    }
+
+    fn parse(extra: &[&str]) -> Result<InitTinyArgs, clap::Error> {
+        let mut argv = vec!["init-tiny", "--output", "x"];
+        argv.extend(extra);
+        Cli::try_parse_from(argv).map(|c| c.args)
+    }
+
+    fn spec(extra: &[&str]) -> Result<ModelSpec, String> {
+        parse(extra).expect("parses").spec(600)
+    }
+
+    #[test]
+    fn the_default_is_the_tiny_shape_and_presets_give_way_to_explicit_options() {
+        let tiny = spec(&[]).unwrap();
+        assert_eq!(
+            tiny.shape,
+            TinyShape {
+                vocab: 600,
+                hidden: 64,
+                intermediate: 128,
+                layers: 4,
+                heads: 4,
+                kv_heads: 2,
+                head_dim: 16
+            }
+        );
+        assert!(!tiny.tie_word_embeddings);
+        assert_eq!(spec(&["--preset", "tiny"]).unwrap(), tiny);
+        // The tiny preset's sizes follow --hidden-size, as they always have.
+        let wide = spec(&["--hidden-size", "128"]).unwrap().shape;
+        assert_eq!((wide.head_dim, wide.intermediate), (32, 256));
+
+        let real = spec(&["--preset", "qwen3-0.6b"]).unwrap();
+        assert_eq!(
+            real.shape,
+            TinyShape {
+                vocab: 151_936,
+                hidden: 1024,
+                intermediate: 3072,
+                layers: 28,
+                heads: 16,
+                kv_heads: 8,
+                head_dim: 128
+            }
+        );
+        assert!(real.tie_word_embeddings);
+        assert_eq!(real.max_position_embeddings, 40960);
+        let fewer = spec(&["--preset", "qwen3-0.6b", "--layers", "2", "--vocab", "4096"]).unwrap();
+        assert_eq!((fewer.shape.layers, fewer.shape.vocab), (2, 4096));
+        assert_eq!(fewer.shape.hidden, 1024);
+        // The embedding is the output head: no lm_head tensor.
+        assert!(
+            !stored_tensors(&fewer)
+                .iter()
+                .any(|(n, ..)| n == "lm_head.weight")
+        );
+    }
+
+    #[test]
+    fn bad_values_are_refused_by_the_parsers() {
+        for (flag, bad) in [
+            ("--heads", "0"),
+            ("--heads", "2000"),
+            ("--kv-heads", "0"),
+            ("--head-dim", "1"),
+            ("--head-dim", "x"),
+            ("--intermediate", "0"),
+            ("--vocab", "0"),
+            ("--vocab", "-5"),
+            ("--hidden-size", "8"),
+            ("--layers", "0"),
+            ("--preset", "qwen3-8b"),
+            ("--dtype", "f16"),
+        ] {
+            let e = parse(&[&format!("{flag}={bad}")]).expect_err("refused");
+            assert_eq!(e.exit_code(), 2, "{flag} {bad}");
+            assert!(e.to_string().contains(flag), "{flag} {bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn shapes_that_do_not_fit_together_are_refused_with_the_reason() {
+        for (extra, needle) in [
+            (
+                &["--heads", "6", "--kv-heads", "4"][..],
+                "not a multiple of --kv-heads",
+            ),
+            (&["--head-dim", "15"][..], "odd"),
+            (&["--hidden-size", "36"][..], "odd"),
+            (
+                &["--hidden-size", "100", "--heads", "8"][..],
+                "not a multiple of --heads",
+            ),
+            (
+                &["--vocab", "100"][..],
+                "smaller than the bundled tokenizer",
+            ),
+            (&["--heads", "1024", "--head-dim", "1024"][..], "too large"),
+        ] {
+            let e = spec(extra).expect_err("refused");
+            assert!(e.contains(needle), "{extra:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn the_split_normal_matches_the_generators_own() {
+        let mut a = PlanRng::stream(3, 0, Purpose::Synthetic);
+        let mut b = a.clone();
+        for _ in 0..10_000 {
+            let (x, y) = (b.next_u64(), b.next_u64());
+            assert_eq!(
+                a.standard_normal().to_bits(),
+                standard_normal(x, y).to_bits()
+            );
+        }
+    }
+
+    #[test]
+    fn bf16_rounds_to_nearest_even() {
+        assert_eq!(bf16_bits(1.0), 0x3F80);
+        assert_eq!(bf16_bits(-2.0), 0xC000);
+        assert_eq!(bf16_bits(0.0), 0);
+        // 1 + 2^-8 is halfway between 1 and 1 + 2^-7: ties go to the even (1.0).
+        assert_eq!(bf16_bits(1.0 + 1.0 / 256.0), 0x3F80);
+        // 1 + 3·2^-8 is halfway between 1 + 2^-7 and 1 + 2^-6: the even one is 1 + 2^-6.
+        assert_eq!(bf16_bits(1.0 + 3.0 / 256.0), 0x3F82);
+        // Just above halfway rounds up.
+        assert_eq!(bf16_bits(f32::from_bits(0x3F80_8001)), 0x3F81);
+        assert_eq!(bf16_bits(0.02), 0x3CA4);
+    }
+
+    /// The streamed writer gives exactly the file the `safetensors` crate writes from the same
+    /// values drawn one after another (the way the file was always made).
+    #[test]
+    fn streamed_weights_equal_the_crates_serialization() {
+        let dir = Scratch::new("streamed");
+        for (extra, dtype) in [
+            (
+                &["--hidden-size", "32", "--layers", "2"][..],
+                WeightDtype::F32,
+            ),
+            (
+                &[
+                    "--preset",
+                    "qwen3-0.6b",
+                    "--hidden-size",
+                    "32",
+                    "--layers",
+                    "1",
+                    "--vocab",
+                    "700",
+                    "--intermediate",
+                    "48",
+                    "--heads",
+                    "4",
+                    "--kv-heads",
+                    "2",
+                    "--head-dim",
+                    "8",
+                ][..],
+                WeightDtype::Bf16,
+            ),
+        ] {
+            let mut spec = spec(extra).unwrap();
+            spec.dtype = dtype;
+            let streamed = dir.0.join("streamed.safetensors");
+            let stop = AtomicBool::new(false);
+            let size = write_weights(&streamed, &spec, 5, &stop).ok().unwrap();
+
+            let mut rng = PlanRng::stream(5, 0, Purpose::Synthetic);
+            let tensors = stored_tensors(&spec);
+            let data: Vec<Vec<u8>> = tensors
+                .iter()
+                .map(|(name, dims, is_norm)| {
+                    let n: usize = dims.iter().product();
+                    let std = if name.contains("embed_tokens") || name.starts_with("lm_head") {
+                        4.0 / (spec.shape.hidden as f64).sqrt()
+                    } else {
+                        0.02
+                    };
+                    (0..n)
+                        .flat_map(|_| {
+                            let v = if *is_norm {
+                                1.0
+                            } else {
+                                (std * rng.standard_normal()) as f32
+                            };
+                            match dtype {
+                                WeightDtype::F32 => v.to_le_bytes().to_vec(),
+                                WeightDtype::Bf16 => bf16_bits(v).to_le_bytes().to_vec(),
+                            }
+                        })
+                        .collect()
+                })
+                .collect();
+            let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+                .iter()
+                .zip(&data)
+                .map(|((name, dims, _), bytes)| {
+                    let view = safetensors::tensor::TensorView::new(
+                        dtype.safetensors(),
+                        dims.clone(),
+                        bytes,
+                    )
+                    .unwrap();
+                    (name.clone(), view)
+                })
+                .collect();
+            let metadata: HashMap<String, String> = [("format".to_owned(), "pt".to_owned())].into();
+            let expected = safetensors::serialize(views, Some(metadata)).unwrap();
+            let got = std::fs::read(&streamed).unwrap();
+            assert_eq!(got.len() as u64, size);
+            assert!(got == expected, "{extra:?} {dtype:?}: the files differ");
+        }
+    }
+
+    #[test]
+    fn a_stop_request_ends_the_writing() {
+        let dir = Scratch::new("stop");
+        let spec = spec(&[]).unwrap();
+        let stop = AtomicBool::new(true);
+        assert!(matches!(
+            write_weights(&dir.0.join("w"), &spec, 0, &stop),
+            Err(WriteError::Interrupted)
+        ));
+    }
 }

@@ -1,6 +1,6 @@
 //! The monitor the orchestrator runs every `--monitor-interval`: a reading of every GPU of the run
-//! (when NVML is there), the CPU and memory of every worker process, and the warnings they call
-//! for. It lives in the orchestrator, so it outlives any worker.
+//! (when NVML is there), the CPU and memory (resident, and its peak from /proc) of every worker
+//! process, and the warnings they call for. It lives in the orchestrator, so it outlives any worker.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -16,6 +16,27 @@ pub struct ProcessSample {
     /// Percent of one core over the last interval.
     pub cpu_pct: f64,
     pub rss_bytes: u64,
+    /// The process's peak resident memory so far (the kernel's `VmHWM`); absent where it could not
+    /// be read (the process just ended, or no /proc).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peak_rss_bytes: Option<u64>,
+}
+
+/// The peak resident memory (`VmHWM`) in a `/proc/<pid>/status` text, in bytes.
+pub fn parse_peak_rss(status: &str) -> Option<u64> {
+    let line = status.lines().find_map(|l| l.strip_prefix("VmHWM:"))?;
+    let mut fields = line.split_whitespace();
+    let kib: u64 = fields.next()?.parse().ok()?;
+    match fields.next() {
+        Some("kB") => kib.checked_mul(1024),
+        _ => None,
+    }
+}
+
+/// The peak resident memory of process `pid`, from the kernel's own high-water mark.
+pub fn peak_rss(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    parse_peak_rss(&status)
 }
 
 /// What one tick found.
@@ -137,6 +158,7 @@ impl Monitor {
                             0.0
                         },
                         rss_bytes: p.memory(),
+                        peak_rss_bytes: peak_rss(pid),
                     };
                     self.processes.insert(worker, sample.clone());
                     tick.processes.push(sample);
@@ -254,6 +276,8 @@ mod tests {
             assert_eq!(t.gpus[0].0.power_w, Some(100.0));
             assert_eq!(t.processes.len(), 1);
             assert!(t.processes[0].rss_bytes > 0);
+            let peak = t.processes[0].peak_rss_bytes.expect("this process's VmHWM");
+            assert!(peak >= t.processes[0].rss_bytes / 2, "{:?}", t.processes[0]);
             // The missing GPU 1 is warned about once.
             assert_eq!(
                 t.warnings.len(),
@@ -273,6 +297,52 @@ mod tests {
         assert!(t.processes[0].cpu_pct > 5.0, "{:?}", t.processes);
         let none = Monitor::new(Err("NVML not available".into()), Duration::from_secs(1));
         assert_eq!(none.unavailable.as_deref(), Some("NVML not available"));
+    }
+
+    #[test]
+    fn the_peak_rss_is_read_from_vmhwm_and_a_bad_status_gives_none() {
+        let status =
+            "Name:\tdflash-worker\nVmPeak:\t  900 kB\nVmHWM:\t    2048 kB\nVmRSS:\t  1024 kB\n";
+        assert_eq!(parse_peak_rss(status), Some(2048 * 1024));
+        for bad in [
+            "",
+            "Name:\tx\nVmRSS:\t1024 kB\n",
+            "VmHWM:\n",
+            "VmHWM:\t  -4 kB\n",
+            "VmHWM:\t  12x kB\n",
+            "VmHWM:\t  12 MB\n",
+            "VmHWM:\t  12\n",
+            "VmHWM:\t99999999999999999999 kB\n",
+            "VmHWM:\t18446744073709551615 kB\n",
+        ] {
+            assert_eq!(parse_peak_rss(bad), None, "{bad:?}");
+        }
+        // A process that is gone has no status: nothing, and no panic.
+        assert_eq!(peak_rss(u32::MAX), None);
+        // It serializes only when known.
+        let mut sample = ProcessSample {
+            worker: 1,
+            role: "drafter",
+            pid: 1,
+            cpu_pct: 0.0,
+            rss_bytes: 5,
+            peak_rss_bytes: None,
+        };
+        let line = serde_json::to_value(&sample).unwrap();
+        assert!(line.get("peak_rss_bytes").is_none(), "{line}");
+        sample.peak_rss_bytes = Some(7);
+        assert_eq!(serde_json::to_value(&sample).unwrap()["peak_rss_bytes"], 7);
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn any_status_text_gives_an_answer_not_a_panic(
+            text in "(VmHWM:[ \t]{0,3}[0-9a-z -]{0,24}\n)?[ -~\t\n]{0,120}",
+        ) {
+            if let Some(bytes) = parse_peak_rss(&text) {
+                proptest::prop_assert!(bytes.is_multiple_of(1024));
+            }
+        }
     }
 
     /// A GPU that answers only after a while (a wedged driver call).

@@ -72,6 +72,7 @@ impl Run {
                     "heartbeat_age_s": w.process.as_ref().map(|_| now.duration_since(w.last_seen).as_secs_f64()),
                     "cpu_pct": self.monitor.processes.get(&w.id).filter(|_| w.process.is_some()).map(|p| p.cpu_pct),
                     "rss_bytes": self.monitor.processes.get(&w.id).filter(|_| w.process.is_some()).map(|p| p.rss_bytes),
+                    "peak_rss_bytes": self.monitor.processes.get(&w.id).filter(|_| w.process.is_some()).and_then(|p| p.peak_rss_bytes),
                 });
                 let gpu = self.gpu_telemetry(w.device);
                 if let (Value::Object(m), Value::Object(g)) = (&mut v, gpu) {

@@ -315,7 +315,7 @@ fn memory_plan(
         u64::from(planner.max_len),
         rings.total,
         u64::from(rings.feature_slots) * rings.feature_bytes,
-        rings.feature_bytes,
+        u64::from(rings.input_slots) * rings.input_bytes,
     )
 }
 

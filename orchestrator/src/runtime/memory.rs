@@ -18,10 +18,11 @@ pub const GPU_CHUNK_BYTES: u64 = 12 << 30;
 /// The same on a CPU worker.
 pub const CPU_CHUNK_BYTES: u64 = 1 << 30;
 
-/// f32 copies of a block's attention scores alive at once in the drafter (the scores, scaled,
-/// masked, concatenated with the block's own, the softmax's shifted, exponentiated and
-/// normalised forms, the context part made contiguous; the backward pass adds a few more).
-const SCORE_COPIES: u64 = 11;
+/// f32 copies of a block's attention scores alive at once in the drafter, forward and backward
+/// (the scores, scaled, masked, concatenated with the block's own, the softmax's shifted,
+/// exponentiated and normalised forms, the context part made contiguous, and their gradients).
+/// Calibrated on `scripts/bench-scale`'s measured peaks (see docs/memory.md).
+const SCORE_COPIES: u64 = 16;
 /// f32 copies of a block's logits alive at once (logits, log-softmax's intermediates, its
 /// gradient).
 const LOGIT_COPIES: u64 = 7;
@@ -30,18 +31,18 @@ const LOGIT_COPIES: u64 = 7;
 const DRAFTER_HIDDEN_COPIES: u64 = 24;
 /// `[tokens, intermediate]`-sized ones (gate, its sigmoid and product, up, their product).
 const DRAFTER_MLP_COPIES: u64 = 6;
-/// `[tokens, hidden]`-sized tensors alive in a target layer besides the MLP (the residual, the
-/// normed input, the attention's output and its projection).
-const TARGET_HIDDEN_COPIES: u64 = 4;
-/// `[tokens, intermediate]`-sized ones (gate, its SiLU, up, their product).
+/// `[tokens, hidden]`-sized tensors alive throughout a target layer (the residual and the normed
+/// input).
+const TARGET_HIDDEN_COPIES: u64 = 2;
+/// `[tokens, intermediate]`-sized ones at the MLP (gate, its SiLU, up, their product).
 const TARGET_MLP_COPIES: u64 = 4;
-/// `[tokens, heads × head_dim]`-sized ones around attention (queries, keys and values through
-/// norm and rotary, their f32 copies per segment, the output tiles and their concatenation).
-const TARGET_QKV_COPIES: u64 = 10;
+/// `[tokens, heads × head_dim]`-sized ones at attention (the queries, the output pieces, their
+/// concatenation and stack, the merged heads), besides the keys and values.
+const TARGET_QUERY_COPIES: u64 = 5;
 /// f32 `[heads, tile, tile]` tensors alive in one tile step (scores, masked, shifted, exp).
 const TILE_COPIES: u64 = 4;
-/// A worker process's own baseline (code, allocator, threads, candle's kernels).
-const BASELINE: u64 = 64 << 20;
+/// A worker process's own resident baseline (code, allocator, threads).
+const BASELINE: u64 = 16 << 20;
 
 /// One worker's memory at its peak, by what holds it, in bytes.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
@@ -103,23 +104,36 @@ impl Shape {
     }
 }
 
-/// A target worker at `budget` tokens per batch.
-pub fn target_worker(target: &Qwen3Config, s: &DflashSettings, budget: u64) -> WorkerPlan {
+/// A target worker at `budget` tokens per batch, sequences of at most `max_len`.
+pub fn target_worker(
+    target: &Qwen3Config,
+    s: &DflashSettings,
+    budget: u64,
+    max_len: u64,
+) -> WorkerPlan {
     let sh = Shape::of(target);
     let e = s.dtype.bytes();
     let layers = s.target_layers_needed() as u64;
     let kept = s.target_layer_ids.len() as u64;
     let tile = 512u64;
+    let (q, kv) = (sh.heads * sh.head_dim, sh.kv_heads * sh.head_dim);
+    // A layer's peak is at its MLP or at its attention, whichever holds more.
+    let per_token = TARGET_HIDDEN_COPIES * sh.hidden
+        + (TARGET_MLP_COPIES * sh.inter).max(TARGET_QUERY_COPIES * q + 2 * kv);
+    // The features: the hidden states kept, their concatenation, and its copy in the features'
+    // dtype when that differs.
+    let conversion = if s.feature_dtype == s.dtype {
+        0
+    } else {
+        s.feature_dtype.bytes()
+    };
     WorkerPlan {
         role: "target",
         weights: (sh.vocab * sh.hidden + layers * sh.layer_params() + sh.hidden) * e,
-        activations: budget
-            * (TARGET_HIDDEN_COPIES * sh.hidden * e
-                + TARGET_MLP_COPIES * sh.inter * e
-                + TARGET_QKV_COPIES * sh.heads * sh.head_dim * 4),
-        attention: TILE_COPIES * sh.heads * tile * tile * 4,
-        // The hidden states kept, their concatenation, and its copy in the features' dtype.
-        features: budget * kept * sh.hidden * (2 * e + s.feature_dtype.bytes()),
+        activations: budget * per_token * e,
+        // The score tiles, and one sequence's queries, keys, values and output in f32.
+        attention: TILE_COPIES * sh.heads * tile * tile * 4 + max_len * (2 * q + 2 * kv) * 4,
+        features: budget * kept * sh.hidden * (2 * e + conversion),
         optimiser: 0,
         total: 0,
     }
@@ -213,8 +227,8 @@ pub struct MemoryPlan {
     pub anchor_chunk: Option<usize>,
 }
 
-/// The plan for `targets` target workers, ring slots of `input_slot` and `feature_slot` bytes
-/// (`feature_slots` of them).
+/// The plan, with rings of `shm_bytes` in all, `feature_ring` of them the feature ring and
+/// `input_ring` the input ring.
 pub fn plan(
     target: &Qwen3Config,
     s: &DflashSettings,
@@ -222,14 +236,15 @@ pub fn plan(
     max_len: u64,
     shm_bytes: u64,
     feature_ring: u64,
-    feature_slot: u64,
+    input_ring: u64,
 ) -> MemoryPlan {
-    let t = target_worker(target, s, budget);
+    let t = target_worker(target, s, budget, max_len);
     let d = drafter_worker(target, s, budget, max_len);
-    // On a CPU the weights are also mapped from their files while loading, and the ring pages
-    // a worker writes or reads count in its resident memory.
+    // On a CPU the ring pages a worker writes or reads count in its resident memory: over a run
+    // a target writes into any of the feature slots, the drafter reads them all, and a target
+    // reads its input slots.
     MemoryPlan {
-        target_host: t.total + t.weights + BASELINE + 2 * feature_slot,
+        target_host: t.total + BASELINE + feature_ring + input_ring,
         drafter_host: d.total + BASELINE + feature_ring,
         target: t,
         drafter: d,
@@ -371,8 +386,8 @@ mod tests {
         let t = qwen3_8b();
         let s = settings(49_152);
         for budget in [8_192u64, 16_384, 32_768] {
-            let one = target_worker(&t, &s, budget);
-            let two = target_worker(&t, &s, 2 * budget);
+            let one = target_worker(&t, &s, budget, 8_192);
+            let two = target_worker(&t, &s, 2 * budget, 8_192);
             let grow = |a: &WorkerPlan, b: &WorkerPlan| {
                 (b.total - b.weights - b.attention) as f64
                     / (a.total - a.weights - a.attention) as f64
@@ -398,7 +413,7 @@ mod tests {
         let (scores, other) = drafter_chunk_bytes(&t, &s, chunk as u64, 8_192);
         assert!(scores + other <= GPU_CHUNK_BYTES);
         let d = drafter_worker(&t, &s, 49_152, 8_192);
-        let tw = target_worker(&t, &s, 49_152);
+        let tw = target_worker(&t, &s, 49_152, 8_192);
         assert!(tw.total < 80 << 30, "{}", gib(tw.total));
         assert!(d.total < 80 << 30, "{}", gib(d.total));
         // Unchunked, the drafter would not fit.
