@@ -622,6 +622,41 @@ impl Drafter {
             return Ok((None, out));
         }
         let scale = 1.0 / (weight * accum.max(1) as f64);
+        let vars: Vec<Var> = self.params.iter().map(|p| p.var.clone()).collect();
+        let unchunked = sequences
+            .iter()
+            .all(|(_, anchors)| anchors.len() <= chunk.unwrap_or(usize::MAX));
+        if unchunked {
+            // Every sequence's anchors in one chunk: one graph for the micro-batch and one
+            // backward pass (fewer, larger kernels than one pass per sequence).
+            let mut total: Option<Tensor> = None;
+            for (range, anchors) in sequences {
+                let parts = self.loss_parts(
+                    &features.narrow(0, range.start, range.len())?,
+                    &tokens[range.clone()],
+                    &loss_mask[range.clone()],
+                    anchors,
+                    embedding,
+                    lm_head,
+                    gamma,
+                )?;
+                out.anchors += anchors.len() as u32;
+                for (k, (c, n)) in parts.accuracy.into_iter().enumerate() {
+                    out.correct[k] += c;
+                    out.counted[k] += n;
+                }
+                total = Some(match total {
+                    None => parts.sum,
+                    Some(t) => (t + parts.sum)?,
+                });
+            }
+            let Some(total) = total else {
+                return Ok((None, out));
+            };
+            out.loss = f64::from(total.to_dtype(DType::F32)?.to_scalar::<f32>()?) / weight;
+            let grads = grads_of(&(total * scale)?.backward()?, &vars);
+            return Ok((Some(grads), out));
+        }
         let mut grads = None;
         let mut sum = 0.0;
         for (range, anchors) in sequences {
