@@ -949,22 +949,28 @@ mod tests {
         }
         let mean = (sum.unwrap() / (weight * 2.0)).unwrap();
         let want = grads_of(&mean.backward().unwrap(), &vars);
-        let (got, batch) = drafter
-            .micro_batch(
-                &features,
-                &tokens,
-                &mask,
-                &sequences,
-                &embedding,
-                &lm_head,
-                None,
-                Some(2),
-                2,
-            )
-            .unwrap();
-        assert_eq!(batch.anchors, 6);
-        assert!((batch.weight - weight).abs() < 1e-9);
-        grads_close(&want, &got.unwrap(), &drafter, "micro-batch");
+        // One graph (each sequence's anchors fit a chunk), and chunks of 2.
+        for chunk in [None, Some(2)] {
+            let (got, batch) = drafter
+                .micro_batch(
+                    &features, &tokens, &mask, &sequences, &embedding, &lm_head, None, chunk, 2,
+                )
+                .unwrap();
+            assert_eq!(batch.anchors, 6);
+            assert!((batch.weight - weight).abs() < 1e-9);
+            let expected = f64::from(mean.to_scalar::<f32>().unwrap()) * 2.0;
+            assert!(
+                (batch.loss - expected).abs() < 1e-5,
+                "{chunk:?}: {} vs {expected}",
+                batch.loss
+            );
+            grads_close(
+                &want,
+                &got.unwrap(),
+                &drafter,
+                &format!("micro-batch, chunk {chunk:?}"),
+            );
+        }
     }
 
     /// In bf16 the forward pass runs (f32 masters, bf16 compute) and its loss and gradients stay
