@@ -423,9 +423,11 @@ fn dry_run_text(d: &runtime::launch_plan::DryRun) -> String {
             p.anchor_chunk
                 .map_or_else(|| "none (all anchors at once)".into(), |c| c.to_string())
         );
+        // CPU workers: their resident memory also holds the ring pages they touch.
+        let cpu = d.workers.iter().any(|w| w.contains("cpu:"));
         let _ = writeln!(
             out,
-            "{:<8} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>13}",
+            "{:<8} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}{}",
             "worker",
             "weights",
             "activations",
@@ -433,12 +435,12 @@ fn dry_run_text(d: &runtime::launch_plan::DryRun) -> String {
             "features",
             "optimiser",
             "peak",
-            "as CPU worker"
+            if cpu { "  resident (CPU)" } else { "" }
         );
         for (w, host) in [(&p.target, p.target_host), (&p.drafter, p.drafter_host)] {
             let _ = writeln!(
                 out,
-                "{:<8} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>13}",
+                "{:<8} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}{}",
                 w.role,
                 gib(w.weights),
                 gib(w.activations),
@@ -446,7 +448,11 @@ fn dry_run_text(d: &runtime::launch_plan::DryRun) -> String {
                 gib(w.features),
                 gib(w.optimiser),
                 gib(w.total),
-                gib(host)
+                if cpu {
+                    format!("  {:>14}", gib(host))
+                } else {
+                    String::new()
+                }
             );
         }
         out.push('\n');
