@@ -61,14 +61,30 @@ fn a_dry_run_prints_the_plan_and_touches_nothing() {
     let target = dir.path().join("tiny");
     stdout_ok(&orch(&["init-tiny", "--output", target.to_str().unwrap()]));
     let run_dir = dir.path().join("run");
-    let flags = ["--gpus", "cpu:3", "--max-len", "64", "--token-budget", "512"];
+    let flags = [
+        "--gpus",
+        "cpu:3",
+        "--max-len",
+        "64",
+        "--token-budget",
+        "512",
+    ];
     let text = stdout_ok(&dry_run(&target, &run_dir, &flags));
-    for needle in ["weights", "activations", "drafter", "/dev/shm", "a launch would start"] {
+    for needle in [
+        "weights",
+        "activations",
+        "drafter",
+        "/dev/shm",
+        "a launch would start",
+    ] {
         assert!(text.contains(needle), "{needle}: {text}");
     }
     let plan = plan_json(&target, &run_dir, &flags);
     assert!(plan["refusals"].as_array().unwrap().is_empty(), "{plan}");
-    assert_eq!(plan["dtype"], "f32", "CPU workers compute in f32 by default");
+    assert_eq!(
+        plan["dtype"], "f32",
+        "CPU workers compute in f32 by default"
+    );
     assert!(plan["plan"]["target"]["total"].as_u64().unwrap() > 0);
     assert!(plan["plan"]["drafter"]["optimiser"].as_u64().unwrap() > 0);
     assert!(plan["shm_bytes"].as_u64().unwrap() > 0);
@@ -108,7 +124,10 @@ fn the_plan_is_linear_in_the_budget_and_follows_the_dtypes() {
     for k in ["activations", "features"] {
         assert_eq!(2 * n(&small, "target", k), n(&large, "target", k), "{k}");
     }
-    assert_eq!(n(&small, "target", "weights"), n(&large, "target", "weights"));
+    assert_eq!(
+        n(&small, "target", "weights"),
+        n(&large, "target", "weights")
+    );
     let f32_features = at("16384", "f32");
     assert!(n(&f32_features, "drafter", "features") > n(&small, "drafter", "features"));
     let chunk = small["plan"]["anchor_chunk"].as_u64().expect("a chunk");
@@ -142,7 +161,10 @@ fn a_plan_that_does_not_fit_is_refused_naming_the_options() {
     assert!(String::from_utf8_lossy(&out.stdout).contains("GPU 0: target + drafter"));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("GPU 0 (target + drafter) needs"), "{err}");
-    assert!(err.contains("--token-budget") && err.contains("--anchor-chunk"), "{err}");
+    assert!(
+        err.contains("--token-budget") && err.contains("--anchor-chunk"),
+        "{err}"
+    );
     assert!(!run_dir.exists());
 }
 
@@ -156,9 +178,18 @@ fn bad_dry_run_values_are_refused() {
         (vec!["--gpus", "0", "--gpu-memory", "0"], "--gpu-memory"),
         (vec!["--gpus", "0", "--gpu-memory", "nan"], "--gpu-memory"),
         (vec!["--gpus", "cpu:2", "--dtype", "f16"], "--dtype"),
-        (vec!["--gpus", "cpu:2", "--feature-dtype", "fp8"], "--feature-dtype"),
-        (vec!["--gpus", "cpu:2", "--anchor-chunk", "0"], "--anchor-chunk"),
-        (vec!["--gpus", "cpu:2", "--anchor-chunk", "many"], "--anchor-chunk"),
+        (
+            vec!["--gpus", "cpu:2", "--feature-dtype", "fp8"],
+            "--feature-dtype",
+        ),
+        (
+            vec!["--gpus", "cpu:2", "--anchor-chunk", "0"],
+            "--anchor-chunk",
+        ),
+        (
+            vec!["--gpus", "cpu:2", "--anchor-chunk", "many"],
+            "--anchor-chunk",
+        ),
     ] {
         assert_refused(&dry_run(&target, &run_dir, &flags), 2, needle);
     }

@@ -22,25 +22,25 @@ pub const CPU_CHUNK_BYTES: u64 = 1 << 30;
 /// (the scores, scaled, masked, concatenated with the block's own, the softmax's shifted,
 /// exponentiated and normalised forms, the context part made contiguous, and their gradients).
 /// Calibrated on `scripts/bench-scale`'s measured peaks (see docs/memory.md).
-const SCORE_COPIES: u64 = 16;
+const SCORE_COPIES: f64 = 16.0;
 /// f32 copies of a block's logits alive at once (logits, log-softmax's intermediates, its
 /// gradient).
-const LOGIT_COPIES: u64 = 7;
+const LOGIT_COPIES: f64 = 7.0;
 /// `[tokens, hidden]`-sized activations a drafter layer keeps per block token for backward
 /// (norms, projections, rotary, residuals, MLP in and out).
-const DRAFTER_HIDDEN_COPIES: u64 = 24;
+const DRAFTER_HIDDEN_COPIES: f64 = 24.0;
 /// `[tokens, intermediate]`-sized ones (gate, its sigmoid and product, up, their product).
-const DRAFTER_MLP_COPIES: u64 = 6;
+const DRAFTER_MLP_COPIES: f64 = 6.0;
 /// `[tokens, hidden]`-sized tensors alive throughout a target layer (the residual and the normed
 /// input).
-const TARGET_HIDDEN_COPIES: u64 = 2;
+const TARGET_HIDDEN_COPIES: f64 = 2.0;
 /// `[tokens, intermediate]`-sized ones at the MLP (gate, its SiLU, up, their product).
-const TARGET_MLP_COPIES: u64 = 4;
+const TARGET_MLP_COPIES: f64 = 4.0;
 /// `[tokens, heads × head_dim]`-sized ones at attention (the queries, the output pieces, their
 /// concatenation and stack, the merged heads), besides the keys and values.
-const TARGET_QUERY_COPIES: u64 = 5;
+const TARGET_QUERY_COPIES: f64 = 5.0;
 /// f32 `[heads, tile, tile]` tensors alive in one tile step (scores, masked, shifted, exp).
-const TILE_COPIES: u64 = 4;
+const TILE_COPIES: f64 = 4.0;
 /// A worker process's own resident baseline (code, allocator, threads).
 const BASELINE: u64 = 16 << 20;
 
@@ -65,43 +65,56 @@ pub struct WorkerPlan {
 
 impl WorkerPlan {
     fn sum(mut self) -> Self {
-        self.total =
-            self.weights + self.activations + self.attention + self.features + self.optimiser;
+        self.total = [
+            self.activations,
+            self.attention,
+            self.features,
+            self.optimiser,
+        ]
+        .into_iter()
+        .fold(self.weights, u64::saturating_add);
         self
     }
 }
 
-/// Shapes the plan needs.
+/// Shapes the plan needs, as f64: the arithmetic of a plan never overflows whatever a
+/// `config.json` says (a product past f64's range is infinite and saturates to `u64::MAX` bytes),
+/// and it is exact below 2^53 bytes.
 struct Shape {
-    hidden: u64,
-    inter: u64,
-    heads: u64,
-    kv_heads: u64,
-    head_dim: u64,
-    vocab: u64,
+    hidden: f64,
+    inter: f64,
+    heads: f64,
+    kv_heads: f64,
+    head_dim: f64,
+    vocab: f64,
 }
 
 impl Shape {
     fn of(t: &Qwen3Config) -> Self {
         Self {
-            hidden: t.hidden_size as u64,
-            inter: t.intermediate_size as u64,
-            heads: t.num_attention_heads as u64,
-            kv_heads: t.num_key_value_heads as u64,
-            head_dim: t.head_dim() as u64,
-            vocab: t.vocab_size as u64,
+            hidden: t.hidden_size as f64,
+            inter: t.intermediate_size as f64,
+            heads: t.num_attention_heads as f64,
+            kv_heads: t.num_key_value_heads as f64,
+            head_dim: t.head_dim() as f64,
+            vocab: t.vocab_size as f64,
         }
     }
 
     /// Elements of one decoder layer's weights.
-    fn layer_params(&self) -> u64 {
+    fn layer_params(&self) -> f64 {
         let (h, q, kv) = (
             self.hidden,
             self.heads * self.head_dim,
             self.kv_heads * self.head_dim,
         );
-        h * q + 2 * h * kv + q * h + 3 * h * self.inter + 2 * h + 2 * self.head_dim
+        h * q + 2.0 * h * kv + q * h + 3.0 * h * self.inter + 2.0 * h + 2.0 * self.head_dim
     }
+}
+
+/// Bytes from an f64 count (saturating).
+fn bytes(x: f64) -> u64 {
+    x as u64
 }
 
 /// A target worker at `budget` tokens per batch, sequences of at most `max_len`.
@@ -112,28 +125,31 @@ pub fn target_worker(
     max_len: u64,
 ) -> WorkerPlan {
     let sh = Shape::of(target);
-    let e = s.dtype.bytes();
-    let layers = s.target_layers_needed() as u64;
-    let kept = s.target_layer_ids.len() as u64;
-    let tile = 512u64;
+    let e = s.dtype.bytes() as f64;
+    let (budget, max_len) = (budget as f64, max_len as f64);
+    let layers = s.target_layers_needed() as f64;
+    let kept = s.target_layer_ids.len() as f64;
+    let tile = 512.0;
     let (q, kv) = (sh.heads * sh.head_dim, sh.kv_heads * sh.head_dim);
     // A layer's peak is at its MLP or at its attention, whichever holds more.
     let per_token = TARGET_HIDDEN_COPIES * sh.hidden
-        + (TARGET_MLP_COPIES * sh.inter).max(TARGET_QUERY_COPIES * q + 2 * kv);
+        + (TARGET_MLP_COPIES * sh.inter).max(TARGET_QUERY_COPIES * q + 2.0 * kv);
     // The features: the hidden states kept, their concatenation, and its copy in the features'
     // dtype when that differs.
     let conversion = if s.feature_dtype == s.dtype {
-        0
+        0.0
     } else {
-        s.feature_dtype.bytes()
+        s.feature_dtype.bytes() as f64
     };
     WorkerPlan {
         role: "target",
-        weights: (sh.vocab * sh.hidden + layers * sh.layer_params() + sh.hidden) * e,
-        activations: budget * per_token * e,
+        weights: bytes((sh.vocab * sh.hidden + layers * sh.layer_params() + sh.hidden) * e),
+        activations: bytes(budget * per_token * e),
         // The score tiles, and one sequence's queries, keys, values and output in f32.
-        attention: TILE_COPIES * sh.heads * tile * tile * 4 + max_len * (2 * q + 2 * kv) * 4,
-        features: budget * kept * sh.hidden * (2 * e + conversion),
+        attention: bytes(
+            TILE_COPIES * sh.heads * tile * tile * 4.0 + max_len * (2.0 * q + 2.0 * kv) * 4.0,
+        ),
+        features: bytes(budget * kept * sh.hidden * (2.0 * e + conversion)),
         optimiser: 0,
         total: 0,
     }
@@ -141,22 +157,28 @@ pub fn target_worker(
 }
 
 /// Bytes of one chunk of `chunk` anchors' activations in the drafter, with `context` positions
-/// seen (the worst case: the sequence's full length).
+/// seen (the worst case: the sequence's full length): (attention scores, the rest).
 pub fn drafter_chunk_bytes(
     target: &Qwen3Config,
     s: &DflashSettings,
     chunk: u64,
     context: u64,
 ) -> (u64, u64) {
+    let (scores, other) = chunk_bytes(target, s, chunk as f64, context as f64);
+    (bytes(scores), bytes(other))
+}
+
+fn chunk_bytes(target: &Qwen3Config, s: &DflashSettings, chunk: f64, context: f64) -> (f64, f64) {
     let sh = Shape::of(target);
-    let e = s.dtype.bytes();
-    let tokens = chunk * s.block_size as u64;
-    let layers = s.draft_layers as u64;
-    let scores = layers * SCORE_COPIES * tokens * sh.heads * (context + s.block_size as u64) * 4;
+    let e = s.dtype.bytes() as f64;
+    let block = s.block_size as f64;
+    let tokens = chunk * block;
+    let layers = s.draft_layers as f64;
+    let scores = layers * SCORE_COPIES * tokens * sh.heads * (context + block) * 4.0;
     let other = layers
         * tokens
         * (DRAFTER_HIDDEN_COPIES * sh.hidden * e + DRAFTER_MLP_COPIES * sh.inter * e)
-        + LOGIT_COPIES * tokens * sh.vocab * 4;
+        + LOGIT_COPIES * tokens * sh.vocab * 4.0;
     (scores, other)
 }
 
@@ -173,10 +195,9 @@ pub fn auto_anchor_chunk(
         GPU_CHUNK_BYTES
     } else {
         CPU_CHUNK_BYTES
-    };
-    let (scores, other) = drafter_chunk_bytes(target, s, 1, u64::from(max_len));
-    let per_anchor = (scores + other).max(1);
-    let chunk = (limit / per_anchor).max(1) as usize;
+    } as f64;
+    let (scores, other) = chunk_bytes(target, s, 1.0, f64::from(max_len));
+    let chunk = (limit / (scores + other).max(1.0)).max(1.0) as usize;
     (chunk < s.num_anchors).then_some(chunk)
 }
 
@@ -189,25 +210,31 @@ pub fn drafter_worker(
     max_len: u64,
 ) -> WorkerPlan {
     let sh = Shape::of(target);
-    let e = s.dtype.bytes();
-    let n = s.target_layer_ids.len() as u64;
-    let layers = s.draft_layers as u64;
-    let params = sh.hidden * n * sh.hidden + sh.hidden * 2 + layers * sh.layer_params();
-    let heads_matrices = if target.tie_word_embeddings { 1 } else { 2 };
-    let compute_copy = if e == 4 { 0 } else { params * e };
-    let chunk = s.anchor_chunk.unwrap_or(s.num_anchors).min(s.num_anchors) as u64;
-    let (scores, other) = drafter_chunk_bytes(target, s, chunk, max_len);
+    let e = s.dtype.bytes() as f64;
+    let fe = s.feature_dtype.bytes() as f64;
+    let (budget, max_len) = (budget as f64, max_len as f64);
+    let n = s.target_layer_ids.len() as f64;
+    let layers = s.draft_layers as f64;
+    let params = sh.hidden * n * sh.hidden + sh.hidden * 2.0 + layers * sh.layer_params();
+    let heads_matrices = if target.tie_word_embeddings { 1.0 } else { 2.0 };
+    let compute_copy = if s.dtype.bytes() == 4 {
+        0.0
+    } else {
+        params * e
+    };
+    let chunk = s.anchor_chunk.unwrap_or(s.num_anchors).min(s.num_anchors) as f64;
+    let (scores, other) = chunk_bytes(target, s, chunk, max_len);
     // The sequence's context: fc's output and its norm, and per layer its keys and values.
-    let context = max_len * (6 * sh.hidden * e + layers * 8 * sh.kv_heads * sh.head_dim * e);
+    let context = max_len * (6.0 * sh.hidden * e + layers * 8.0 * sh.kv_heads * sh.head_dim * e);
     WorkerPlan {
         role: "drafter",
-        weights: params * 4 + compute_copy + heads_matrices * sh.vocab * sh.hidden * e,
-        activations: other + context,
-        attention: scores,
+        weights: bytes(params * 4.0 + compute_copy + heads_matrices * sh.vocab * sh.hidden * e),
+        activations: bytes(other + context),
+        attention: bytes(scores),
         // The batch's features out of the ring, and one sequence's in the compute dtype.
-        features: budget * n * sh.hidden * s.feature_dtype.bytes() + max_len * n * sh.hidden * e,
+        features: bytes(budget * n * sh.hidden * fe + max_len * n * sh.hidden * e),
         // Accumulated gradients, one chunk's gradients, AdamW's two moments.
-        optimiser: 4 * params * 4,
+        optimiser: bytes(4.0 * params * 4.0),
         total: 0,
     }
     .sum()
@@ -244,8 +271,12 @@ pub fn plan(
     // a target writes into any of the feature slots, the drafter reads them all, and a target
     // reads its input slots.
     MemoryPlan {
-        target_host: t.total + BASELINE + feature_ring + input_ring,
-        drafter_host: d.total + BASELINE + feature_ring,
+        target_host: [BASELINE, feature_ring, input_ring]
+            .into_iter()
+            .fold(t.total, u64::saturating_add),
+        drafter_host: [BASELINE, feature_ring]
+            .into_iter()
+            .fold(d.total, u64::saturating_add),
         target: t,
         drafter: d,
         shm_bytes,
@@ -299,7 +330,9 @@ pub fn gpu_uses(
             }
         };
         uses[at].workers.push(role);
-        uses[at].need += need + CUDA_CONTEXT;
+        uses[at].need = uses[at]
+            .need
+            .saturating_add(need.saturating_add(CUDA_CONTEXT));
     }
     uses
 }
@@ -412,6 +445,17 @@ mod tests {
         assert!((1..512).contains(&chunk), "{chunk}");
         let (scores, other) = drafter_chunk_bytes(&t, &s, chunk as u64, 8_192);
         assert!(scores + other <= GPU_CHUNK_BYTES);
+        // A config.json with absurd sizes plans without overflowing.
+        let mut huge = t.clone();
+        huge.hidden_size = usize::MAX / 2;
+        huge.vocab_size = usize::MAX / 3;
+        huge.intermediate_size = usize::MAX;
+        assert_eq!(target_worker(&huge, &s, u64::MAX, u64::MAX).total, u64::MAX);
+        assert_eq!(
+            drafter_worker(&huge, &s, u64::MAX, u64::MAX).total,
+            u64::MAX
+        );
+        assert_eq!(auto_anchor_chunk(&huge, &s, u32::MAX, true), Some(1));
         let d = drafter_worker(&t, &s, 49_152, 8_192);
         let tw = target_worker(&t, &s, 49_152, 8_192);
         assert!(tw.total < 80 << 30, "{}", gib(tw.total));
