@@ -6,6 +6,7 @@ use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
 use dflash_e2e::{assert_refused, orch, stdout_ok};
+use dflash_worker::model::max_abs_diff;
 use dflash_worker::model::qwen3::{AttentionMode, Qwen3, read_config};
 
 fn tiny(dir: &Path) -> std::path::PathBuf {
@@ -161,16 +162,7 @@ fn tiled_attention_matches_dense_through_the_model() {
         for tile in [4, 7, 64] {
             let tiled = states_in(&mut model, AttentionMode::Tiled(tile), rows, &indices);
             for (k, (a, b)) in dense.iter().zip(&tiled).enumerate() {
-                let diff = (a - b)
-                    .unwrap()
-                    .abs()
-                    .unwrap()
-                    .flatten_all()
-                    .unwrap()
-                    .max(0)
-                    .unwrap()
-                    .to_scalar::<f32>()
-                    .unwrap();
+                let diff = max_abs_diff(a, b).unwrap();
                 assert!(diff < 1e-5, "{what}, tile {tile}, index {k}: {diff}");
             }
         }

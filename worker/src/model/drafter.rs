@@ -860,16 +860,7 @@ mod tests {
     fn grads_close(a: &Grads, b: &Grads, drafter: &Drafter, what: &str) {
         for ((x, y), p) in a.iter().zip(b).zip(&drafter.params) {
             let (x, y) = (x.as_ref().unwrap(), y.as_ref().unwrap());
-            let diff = (x - y)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .max(0)
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap();
+            let diff = super::super::max_abs_diff(x, y).unwrap();
             assert!(diff < 1e-5, "{what}: {} differs by {diff}", p.name);
         }
     }

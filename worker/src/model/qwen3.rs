@@ -535,19 +535,6 @@ mod tests {
             .unwrap()
     }
 
-    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-        (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
-    }
-
     /// Tiles equal dense attention within 1e-5: lengths below, at, just above and far above the
     /// tile (the last tile partial), a single token, grouped-query and plain heads.
     #[test]
@@ -561,7 +548,7 @@ mod tests {
                 let want = dense(&q, &k, &v);
                 let got =
                     tiled_causal(&q, &k, &v, &causal_mask(tile, &Device::Cpu).unwrap()).unwrap();
-                let diff = max_diff(&want, &got);
+                let diff = super::super::max_abs_diff(&want, &got).unwrap();
                 assert!(
                     diff < 1e-5,
                     "heads {heads}/{kv}, n {n}, tile {tile}: {diff}"
