@@ -169,6 +169,47 @@ fn tiled_attention_matches_dense_through_the_model() {
     }
 }
 
+/// A bf16 checkpoint loads as bf16 (the weights are not widened) and its hidden states follow
+/// the f32 model's within bf16's precision.
+#[test]
+fn a_bf16_checkpoint_runs_in_bf16() {
+    let dir = tempfile::tempdir().unwrap();
+    let f32_dir = tiny(dir.path());
+    let bf16_dir = dir.path().join("bf16");
+    stdout_ok(&orch(&[
+        "init-tiny",
+        "--output",
+        bf16_dir.to_str().unwrap(),
+        "--dtype",
+        "bf16",
+    ]));
+    let text = std::fs::read(bf16_dir.join("model.safetensors")).unwrap();
+    let len = u64::from_le_bytes(text[..8].try_into().unwrap()) as usize;
+    let meta: serde_json::Value = serde_json::from_slice(&text[8..8 + len]).unwrap();
+    assert_eq!(meta["model.embed_tokens.weight"]["dtype"], "BF16");
+    let full = Qwen3::load(&f32_dir, None, &Device::Cpu, DType::F32).unwrap();
+    let half = Qwen3::load(&bf16_dir, None, &Device::Cpu, DType::BF16).unwrap();
+    assert_eq!(half.dtype(), DType::BF16);
+    let tokens: Vec<u32> = (0..40).map(|i| (i * 37 + 5) % 600).collect();
+    let d = Device::Cpu;
+    let ids = Tensor::from_vec(tokens, (1, 40), &d).unwrap();
+    let pos = Tensor::arange(0u32, 40, &d)
+        .unwrap()
+        .reshape((1, 40))
+        .unwrap();
+    let seg = Tensor::zeros((1, 40), DType::U32, &d).unwrap();
+    let last = full.config.num_hidden_layers;
+    let a = &full.hidden_states(&ids, &pos, &seg, &[last]).unwrap()[0];
+    let b = &half.hidden_states(&ids, &pos, &seg, &[last]).unwrap()[0];
+    assert_eq!(b.dtype(), DType::BF16);
+    let scale = max_abs_diff(a, &a.zeros_like().unwrap()).unwrap();
+    let diff = max_abs_diff(a, b).unwrap();
+    assert!(
+        diff < 0.05 * scale,
+        "bf16 differs by {diff} (scale {scale})"
+    );
+}
+
 #[test]
 fn init_tiny_is_deterministic_and_refuses_to_overwrite() {
     let dir = tempfile::tempdir().unwrap();
