@@ -48,9 +48,9 @@ pub struct DflashSettings {
     #[serde(default)]
     pub anchor_chunk: Option<usize>,
     /// The run fingerprint: for each thing that decides the trained weights (`target`, `data`,
-    /// `planner`, `seed`, `optimiser`, `drafter`, `loss`, `epochs`), a hex hash of it. Written into
-    /// every checkpoint's `state.json`; a drafter refuses a checkpoint whose fingerprint differs,
-    /// naming the fields that differ.
+    /// `planner`, `seed`, `optimiser`, `drafter`, `loss`, `precision`, `epochs`), a hex hash of
+    /// it. Written into every checkpoint's `state.json`; a drafter refuses a checkpoint whose
+    /// fingerprint differs, naming the fields that differ.
     #[serde(default)]
     pub fingerprint: BTreeMap<String, String>,
 }

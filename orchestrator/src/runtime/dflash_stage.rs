@@ -128,7 +128,8 @@ fn target_identity(dir: &Path) -> Result<String, String> {
     Ok(digest(parts.iter().map(Vec::as_slice)))
 }
 
-/// The run fingerprint: a hash of each thing that decides the trained weights.
+/// The run fingerprint: a hash of each thing that decides the trained weights (the dtypes and
+/// the anchor chunk too: they change the float results).
 pub(super) fn fingerprint(
     settings: &DflashSettings,
     data: &Option<PathBuf>,
@@ -173,6 +174,14 @@ pub(super) fn fingerprint(
         (
             "loss",
             digest([json(serde_json::json!({ "gamma": settings.gamma })).as_slice()]),
+        ),
+        (
+            "precision",
+            digest([json(serde_json::json!({
+                "dtype": settings.dtype, "feature_dtype": settings.feature_dtype,
+                "anchor_chunk": settings.anchor_chunk,
+            }))
+            .as_slice()]),
         ),
         ("epochs", digest([epochs.to_le_bytes().as_slice()])),
     ];
