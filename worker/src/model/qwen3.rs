@@ -10,7 +10,7 @@
 
 use std::path::{Path, PathBuf};
 
-use candle_core::{D, DType, Device, Module, Tensor};
+use candle_core::{D, DType, Device, IndexOp, Module, Tensor};
 use candle_nn::{Embedding, Linear, RmsNorm, VarBuilder};
 
 use super::rotate_half;
@@ -268,7 +268,7 @@ impl Qwen3 {
         let mut states = vec![None; last + 1];
         states[0] = Some(x.clone());
         for (i, layer) in self.layers.iter().enumerate().take(last.min(full)) {
-            x = layer.forward(&x, &cos, &sin, &limits)?;
+            x = layer.forward(&x, &cos, &sin, &limits, None)?;
             let k = i + 1;
             if k <= last {
                 states[k] = Some(if k == full {
@@ -285,6 +285,133 @@ impl Qwen3 {
     }
 }
 
+/// The keys and values a sequence has seen, per decoder layer, for decoding step by step.
+#[derive(Clone, Default)]
+pub struct KvCache {
+    layers: Vec<Option<(Tensor, Tensor)>>,
+    len: usize,
+}
+
+impl KvCache {
+    /// Positions held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Qwen3 {
+    /// Runs the next tokens of several sequences at once, each after what its cache holds (an
+    /// empty cache: a prefill), packed in one row with attention confined to each sequence and
+    /// computed by the same tiles as [`Qwen3::hidden_states`]; the caches take the new keys and
+    /// values. Returns per sequence the hidden states `indices` of its new tokens, `[new, hidden]`
+    /// each. Equal to running each whole sequence at once (the tests check 1e-5 in f32).
+    pub fn extend(
+        &self,
+        caches: &mut [KvCache],
+        tokens: &[&[u32]],
+        indices: &[usize],
+    ) -> Result<Vec<Vec<Tensor>>, ModelError> {
+        let invalid = |reason: String| ModelError::Invalid {
+            path: PathBuf::new(),
+            reason,
+        };
+        if caches.len() != tokens.len() || tokens.iter().any(|t| t.is_empty()) {
+            return Err(invalid(format!(
+                "{} caches for {} sequences (each needs at least one new token)",
+                caches.len(),
+                tokens.len()
+            )));
+        }
+        let last = indices.iter().copied().max().unwrap_or(0);
+        let full = self.config.num_hidden_layers;
+        if last > self.layers.len() && last != full || last == full && self.layers.len() < full {
+            return Err(invalid(format!(
+                "hidden state {last} needs more layers than the {} loaded",
+                self.layers.len()
+            )));
+        }
+        let vocab = self.config.vocab_size as u32;
+        if let Some(bad) = tokens.iter().flat_map(|t| t.iter()).find(|&&t| t >= vocab) {
+            return Err(invalid(format!(
+                "token id {bad} is outside the vocabulary ({vocab})"
+            )));
+        }
+        let total: usize = tokens.iter().map(|t| t.len()).sum();
+        let mut ids = Vec::with_capacity(total);
+        let mut positions = Vec::with_capacity(total);
+        let mut runs = Vec::with_capacity(tokens.len());
+        for (cache, new) in caches.iter().zip(tokens) {
+            runs.push((ids.len(), new.len()));
+            ids.extend_from_slice(new);
+            positions.extend((cache.len..cache.len + new.len()).map(|p| p as u32));
+        }
+        let dev = &self.device;
+        let ids = Tensor::from_vec(ids, (1, total), dev)?;
+        let angles = Tensor::from_vec(positions, (1, total), dev)?
+            .to_dtype(DType::F32)?
+            .unsqueeze(2)?
+            .broadcast_mul(&self.inv_freq.reshape((1, 1, ()))?)?;
+        let cos = Tensor::cat(&[&angles.cos()?, &angles.cos()?], 2)?
+            .unsqueeze(1)?
+            .to_dtype(self.dtype)?;
+        let sin = Tensor::cat(&[&angles.sin()?, &angles.sin()?], 2)?
+            .unsqueeze(1)?
+            .to_dtype(self.dtype)?;
+        let tile = match self.attention {
+            AttentionMode::Tiled(n) => n.max(1),
+            _ => ATTENTION_TILE,
+        };
+        let limits = Limits::Runs {
+            runs: vec![runs.clone()],
+            mask: causal_mask(tile, dev)?,
+        };
+        // Every loaded layer runs, so that each cache holds all of them whatever `indices` asks.
+        for cache in caches.iter_mut() {
+            cache.layers.resize(self.layers.len(), None);
+        }
+        let mut x = self.embed.forward(&ids)?;
+        let mut states = vec![None; last.max(self.layers.len()) + 1];
+        states[0] = Some(x.clone());
+        let mut layer_caches: Vec<Option<(Tensor, Tensor)>> = Vec::with_capacity(caches.len());
+        for (i, layer) in self.layers.iter().enumerate() {
+            layer_caches.clear();
+            layer_caches.extend(caches.iter_mut().map(|c| c.layers[i].take()));
+            x = layer.forward(&x, &cos, &sin, &limits, Some(&mut layer_caches))?;
+            for (c, kv) in caches.iter_mut().zip(layer_caches.drain(..)) {
+                c.layers[i] = kv;
+            }
+            let k = i + 1;
+            states[k] = Some(if k == full {
+                self.norm.forward(&x)?
+            } else {
+                x.clone()
+            });
+        }
+        for (cache, new) in caches.iter_mut().zip(tokens) {
+            cache.len += new.len();
+        }
+        let mut out = Vec::with_capacity(tokens.len());
+        for &(start, len) in &runs {
+            out.push(
+                indices
+                    .iter()
+                    .map(|&i| {
+                        states[i]
+                            .as_ref()
+                            .expect("computed above")
+                            .i((0, start..start + len))
+                    })
+                    .collect::<candle_core::Result<Vec<_>>>()?,
+            );
+        }
+        Ok(out)
+    }
+}
+
 impl Layer {
     fn forward(
         &self,
@@ -292,10 +419,11 @@ impl Layer {
         cos: &Tensor,
         sin: &Tensor,
         limits: &Limits,
+        cache: Option<&mut [Option<(Tensor, Tensor)>]>,
     ) -> candle_core::Result<Tensor> {
         let h = self
             .attention
-            .forward(&self.input_norm.forward(x)?, cos, sin, limits)?;
+            .forward(&self.input_norm.forward(x)?, cos, sin, limits, cache)?;
         let x = (x + h)?;
         let n = self.post_norm.forward(&x)?;
         let mlp = self
@@ -312,6 +440,7 @@ impl Attention {
         cos: &Tensor,
         sin: &Tensor,
         limits: &Limits,
+        mut cache: Option<&mut [Option<(Tensor, Tensor)>]>,
     ) -> candle_core::Result<Tensor> {
         let (b, s, _) = x.dims3()?;
         let d = self.head_dim;
@@ -352,13 +481,31 @@ impl Attention {
                 for (r, row_runs) in runs.iter().enumerate() {
                     let (qr, kr, vr) = (q.get(r)?, k.get(r)?, v.get(r)?);
                     let mut pieces = Vec::with_capacity(row_runs.len());
-                    for &(start, len) in row_runs {
-                        pieces.push(tiled_causal(
-                            &qr.narrow(1, start, len)?,
-                            &kr.narrow(1, start, len)?,
-                            &vr.narrow(1, start, len)?,
-                            mask,
-                        )?);
+                    for (j, &(start, len)) in row_runs.iter().enumerate() {
+                        let (qj, kj, vj) = (
+                            qr.narrow(1, start, len)?,
+                            kr.narrow(1, start, len)?,
+                            vr.narrow(1, start, len)?,
+                        );
+                        // With a KV cache (one row, one entry per run): the run's queries see
+                        // the cached keys and values before their own, which join the cache.
+                        let Some(entry) = cache.as_deref_mut().and_then(|c| c.get_mut(j)) else {
+                            pieces.push(tiled_causal(&qj, &kj, &vj, mask)?);
+                            continue;
+                        };
+                        let (k_all, v_all, offset) = match entry.take() {
+                            None => (kj.contiguous()?, vj.contiguous()?, 0),
+                            Some((kc, vc)) => {
+                                let offset = kc.dim(1)?;
+                                (
+                                    Tensor::cat(&[&kc, &kj], 1)?,
+                                    Tensor::cat(&[&vc, &vj], 1)?,
+                                    offset,
+                                )
+                            }
+                        };
+                        pieces.push(tiled_causal_after(&qj, &k_all, &v_all, mask, offset)?);
+                        *entry = Some((k_all, v_all));
                     }
                     rows.push(Tensor::cat(&pieces, 1)?);
                 }
@@ -415,9 +562,26 @@ fn segment_runs(segments: &[Vec<u32>]) -> Vec<Vec<(usize, usize)>> {
 /// scores whatever `n`. The tile is `mask`'s size (from [`causal_mask`]). Computed in f32;
 /// returns `[heads, n, d]` in `q`'s dtype.
 fn tiled_causal(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> candle_core::Result<Tensor> {
+    tiled_causal_after(q, k, v, mask, 0)
+}
+
+/// [`tiled_causal`] for queries that follow `offset` earlier positions (a KV cache): `q` holds
+/// positions `offset..offset + nq`, `k` and `v` positions `0..offset + nq`. Query tiles are
+/// aligned to the key tiles, so the tile that holds a query's own position is masked by a corner
+/// of the same causal mask.
+fn tiled_causal_after(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &Tensor,
+    offset: usize,
+) -> candle_core::Result<Tensor> {
     let tile = mask.dim(0)?;
     let (heads, n, d) = q.dims3()?;
-    let kv = k.dim(0)?;
+    let (kv, keys) = (k.dim(0)?, k.dim(1)?);
+    if keys != offset + n {
+        candle_core::bail!("{keys} keys for {n} queries after {offset} positions");
+    }
     let group = heads / kv;
     let dtype = q.dtype();
     let f32 = |t: &Tensor| t.to_dtype(DType::F32);
@@ -425,18 +589,21 @@ fn tiled_causal(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> candle_cor
     // [kv, group, n, d]: the queries of a key/value head side by side.
     let q = f32(q)?.reshape((kv, group, n, d))?;
     let (k, v) = (f32(k)?, f32(v)?);
-    let mut out = Vec::with_capacity(n.div_ceil(tile));
-    for qi in (0..n).step_by(tile) {
-        let tq = tile.min(n - qi);
-        let qt = (q.narrow(2, qi, tq)?.reshape((kv, group * tq, d))? * scale)?;
+    let mut out = Vec::with_capacity(n.div_ceil(tile) + 1);
+    // Absolute query positions, in tiles aligned to multiples of `tile`.
+    let mut qa = offset;
+    while qa < offset + n {
+        let diagonal = qa / tile * tile;
+        let tq = (diagonal + tile).min(offset + n) - qa;
+        let qt = (q.narrow(2, qa - offset, tq)?.reshape((kv, group * tq, d))? * scale)?;
         let mut state: Option<(Tensor, Tensor, Tensor)> = None;
-        for kj in (0..=qi).step_by(tile) {
-            let tk = tile.min(n - kj);
+        for kj in (0..=diagonal).step_by(tile) {
+            let tk = tile.min(keys - kj);
             let kt = k.narrow(1, kj, tk)?;
             let mut scores = qt.matmul(&kt.t()?)?;
-            if kj == qi {
-                // The diagonal tile: query qi + a sees key kj + c when c <= a.
-                let corner = mask.narrow(0, 0, tq)?.narrow(1, 0, tk)?;
+            if kj == diagonal {
+                // Query qa + a sees key kj + c when c <= qa - kj + a: rows from qa - kj.
+                let corner = mask.narrow(0, qa - kj, tq)?.narrow(1, 0, tk)?;
                 scores = scores
                     .reshape((kv, group, tq, tk))?
                     .broadcast_add(&corner)?
@@ -466,6 +633,7 @@ fn tiled_causal(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> candle_cor
                 .reshape((kv, group, tq, d))?
                 .reshape((heads, tq, d))?,
         );
+        qa += tq;
     }
     Tensor::cat(&out, 1)?.to_dtype(dtype)
 }
