@@ -186,6 +186,21 @@ impl Qwen3 {
         })
     }
 
+    /// Rotary tables of `positions` (`[b, s]`): cos and sin `[b, 1, s, head_dim]` in the model's
+    /// dtype.
+    fn rotary(&self, positions: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+        let angles = positions
+            .to_dtype(DType::F32)?
+            .unsqueeze(2)?
+            .broadcast_mul(&self.inv_freq.reshape((1, 1, ()))?)?;
+        let table = |t: Tensor| -> candle_core::Result<Tensor> {
+            Tensor::cat(&[&t, &t], 2)?
+                .unsqueeze(1)?
+                .to_dtype(self.dtype)
+        };
+        Ok((table(angles.cos()?)?, table(angles.sin()?)?))
+    }
+
     /// Chooses how attention is computed (tests compare the modes).
     pub fn set_attention(&mut self, mode: AttentionMode) {
         self.attention = mode;
@@ -221,17 +236,7 @@ impl Qwen3 {
             });
         }
         let (b, s) = tokens.dims2()?;
-        // Rotary tables per token: [b, 1, s, head_dim] in the model's dtype.
-        let angles = positions
-            .to_dtype(DType::F32)?
-            .unsqueeze(2)?
-            .broadcast_mul(&self.inv_freq.reshape((1, 1, ()))?)?;
-        let cos = Tensor::cat(&[&angles.cos()?, &angles.cos()?], 2)?
-            .unsqueeze(1)?
-            .to_dtype(self.dtype)?;
-        let sin = Tensor::cat(&[&angles.sin()?, &angles.sin()?], 2)?
-            .unsqueeze(1)?
-            .to_dtype(self.dtype)?;
+        let (cos, sin) = self.rotary(positions)?;
         let heads = self.config.num_attention_heads;
         let dense = match self.attention {
             AttentionMode::Dense => true,
@@ -351,16 +356,7 @@ impl Qwen3 {
         }
         let dev = &self.device;
         let ids = Tensor::from_vec(ids, (1, total), dev)?;
-        let angles = Tensor::from_vec(positions, (1, total), dev)?
-            .to_dtype(DType::F32)?
-            .unsqueeze(2)?
-            .broadcast_mul(&self.inv_freq.reshape((1, 1, ()))?)?;
-        let cos = Tensor::cat(&[&angles.cos()?, &angles.cos()?], 2)?
-            .unsqueeze(1)?
-            .to_dtype(self.dtype)?;
-        let sin = Tensor::cat(&[&angles.sin()?, &angles.sin()?], 2)?
-            .unsqueeze(1)?
-            .to_dtype(self.dtype)?;
+        let (cos, sin) = self.rotary(&Tensor::from_vec(positions, (1, total), dev)?)?;
         let tile = match self.attention {
             AttentionMode::Tiled(n) => n.max(1),
             _ => ATTENTION_TILE,
