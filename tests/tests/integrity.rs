@@ -136,8 +136,9 @@ fn jobs_that_always_hang_end_the_run_through_the_restart_budget() {
 fn option_values_out_of_range_exit_2_naming_the_option_and_leave_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let run_dir = dir.path().join("run");
-    let run_id_prefix = "dflash-";
-    let before = shm_with(run_id_prefix);
+    // This run's segments only: other tests create and remove theirs meanwhile.
+    let run_id_prefix = format!("dflash-{}", run_id(&run_dir));
+    let before = shm_with(&run_id_prefix);
     for (flag, value) in [
         ("--restart-window", "-1"),
         ("--heartbeat-timeout", "1e30"),
@@ -167,7 +168,7 @@ fn option_values_out_of_range_exit_2_naming_the_option_and_leave_nothing() {
     ]);
     assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
     assert!(stderr(&out).contains("--watch"));
-    assert_eq!(shm_with(run_id_prefix), before, "no segment was created");
+    assert_eq!(shm_with(&run_id_prefix), before, "no segment was created");
 }
 
 #[test]
