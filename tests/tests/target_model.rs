@@ -266,6 +266,11 @@ fn kv_cache_decoding_equals_full_recomputation() {
     assert!(model.extend(&mut caches, &[&a[..1]], &indices).is_err());
     assert!(model.extend(&mut caches[..1], &[&[]], &indices).is_err());
     assert!(model.extend(&mut caches[..1], &[&[600]], &indices).is_err());
+    assert!(
+        model
+            .extend(&mut caches[..1], &[&[1]], &[layers + 1])
+            .is_err()
+    );
 }
 
 #[test]

@@ -242,13 +242,7 @@ impl Drafter {
     /// The sum of the loss weights of one sequence's blocks (what [`LossParts::weight`] will be),
     /// computed on the host before any block, so that chunks can be scaled by the batch total.
     pub fn loss_weight(&self, loss_mask: &[u8], anchors: &[usize], gamma: Option<f64>) -> f64 {
-        let (_, weights) = targets_and_weights(
-            &vec![0; loss_mask.len()],
-            loss_mask,
-            anchors,
-            self.config.block_size,
-            gamma,
-        );
+        let weights = block_weights(loss_mask, anchors, self.config.block_size, gamma);
         f64::from(weights.iter().sum::<f32>())
     }
 
@@ -693,9 +687,8 @@ pub struct SequenceLoss {
     pub accuracy: Vec<(u32, u32)>,
 }
 
-/// Per block position, the token it predicts and its loss weight: position k of the block at
-/// `anchor` predicts `tokens[anchor + k]`, counted when k >= 1, inside the sequence and masked
-/// in, weighted `exp(-(k - 1) / gamma)` (1 without gamma).
+/// Per block position, the token it predicts and its loss weight (see [`block_weights`]):
+/// position k of the block at `anchor` predicts `tokens[anchor + k]` (0 past the end).
 fn targets_and_weights(
     tokens: &[u32],
     loss_mask: &[u8],
@@ -703,19 +696,32 @@ fn targets_and_weights(
     block: usize,
     gamma: Option<f64>,
 ) -> (Vec<u32>, Vec<f32>) {
-    let s = tokens.len();
-    let mut targets = Vec::with_capacity(anchors.len() * block);
-    let mut weights = Vec::with_capacity(anchors.len() * block);
-    for &anchor in anchors {
-        for k in 0..block {
-            let t = anchor + k;
-            let counted = k >= 1 && t < s && loss_mask[t] != 0;
-            targets.push(if t < s { tokens[t] } else { 0 });
-            let decay = gamma.map_or(1.0, |g| (-((k as f64) - 1.0) / g).exp());
-            weights.push(if counted { decay as f32 } else { 0.0 });
-        }
-    }
-    (targets, weights)
+    let targets = anchors
+        .iter()
+        .flat_map(|&anchor| (anchor..anchor + block).map(|t| tokens.get(t).copied().unwrap_or(0)))
+        .collect();
+    (targets, block_weights(loss_mask, anchors, block, gamma))
+}
+
+/// Per block position, its loss weight: position k of the block at `anchor` counts when k >= 1,
+/// `anchor + k` is inside the sequence and masked in, weighted `exp(-(k - 1) / gamma)` (1
+/// without gamma).
+fn block_weights(
+    loss_mask: &[u8],
+    anchors: &[usize],
+    block: usize,
+    gamma: Option<f64>,
+) -> Vec<f32> {
+    anchors
+        .iter()
+        .flat_map(|&anchor| {
+            (0..block).map(move |k| {
+                let counted = k >= 1 && loss_mask.get(anchor + k).is_some_and(|&m| m != 0);
+                let decay = gamma.map_or(1.0, |g| (-((k as f64) - 1.0) / g).exp());
+                if counted { decay as f32 } else { 0.0 }
+            })
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -186,6 +186,19 @@ impl Qwen3 {
         })
     }
 
+    /// The largest of the hidden-state `indices`, when the loaded layers can give them all.
+    fn check_indices(&self, indices: &[usize]) -> Result<usize, ModelError> {
+        let last = indices.iter().copied().max().unwrap_or(0);
+        let (full, loaded) = (self.config.num_hidden_layers, self.layers.len());
+        if last > full || last > loaded && last != full || last == full && loaded < full {
+            return Err(ModelError::Invalid {
+                path: PathBuf::new(),
+                reason: format!("hidden state {last} needs more layers than the {loaded} loaded"),
+            });
+        }
+        Ok(last)
+    }
+
     /// Rotary tables of `positions` (`[b, s]`): cos and sin `[b, 1, s, head_dim]` in the model's
     /// dtype.
     fn rotary(&self, positions: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
@@ -221,20 +234,8 @@ impl Qwen3 {
         segments: &Tensor,
         indices: &[usize],
     ) -> Result<Vec<Tensor>, ModelError> {
-        let last = indices.iter().copied().max().unwrap_or(0);
+        let last = self.check_indices(indices)?;
         let full = self.config.num_hidden_layers;
-        if last > full
-            || last > self.layers.len() && last != full
-            || last == full && self.layers.len() < full
-        {
-            return Err(ModelError::Invalid {
-                path: PathBuf::new(),
-                reason: format!(
-                    "hidden state {last} needs more layers than the {} loaded",
-                    self.layers.len()
-                ),
-            });
-        }
         let (b, s) = tokens.dims2()?;
         let (cos, sin) = self.rotary(positions)?;
         let heads = self.config.num_attention_heads;
@@ -331,14 +332,8 @@ impl Qwen3 {
                 tokens.len()
             )));
         }
-        let last = indices.iter().copied().max().unwrap_or(0);
+        let last = self.check_indices(indices)?;
         let full = self.config.num_hidden_layers;
-        if last > self.layers.len() && last != full || last == full && self.layers.len() < full {
-            return Err(invalid(format!(
-                "hidden state {last} needs more layers than the {} loaded",
-                self.layers.len()
-            )));
-        }
         let vocab = self.config.vocab_size as u32;
         if let Some(bad) = tokens.iter().flat_map(|t| t.iter()).find(|&&t| t >= vocab) {
             return Err(invalid(format!(
