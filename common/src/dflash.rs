@@ -133,6 +133,9 @@ pub struct Qwen3Config {
     pub rope_theta: f64,
     #[serde(default)]
     pub tie_word_embeddings: bool,
+    /// The longest sequence the model was made for (prompt and generated tokens together).
+    #[serde(default)]
+    pub max_position_embeddings: Option<usize>,
 }
 
 fn default_rope_theta() -> f64 {

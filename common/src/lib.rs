@@ -2,6 +2,7 @@
 //! lands on disk, versioned, and nothing else.
 
 pub mod dflash;
+pub mod eval;
 pub mod ring;
 pub mod run_dir;
 pub mod wire;

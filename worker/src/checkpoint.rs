@@ -26,7 +26,7 @@ use crate::model::drafter::Drafter;
 use crate::train::AdamW;
 
 /// Where training stands.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TrainingState {
     /// Optimiser steps taken.
     pub step: u64,

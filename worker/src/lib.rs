@@ -15,6 +15,7 @@ pub mod dflash;
 pub mod faults;
 pub mod model;
 pub mod rng;
+pub mod speculative;
 pub mod stage;
 pub mod train;
 
@@ -72,6 +73,11 @@ pub struct WorkerArgs {
     /// its feature slot, and read back as the drafter reads it; prints GB/s per dtype as JSON.
     #[arg(long, value_name = "MIB", value_parser = clap::value_parser!(u32).range(1..=65_536))]
     pub copy_bench: Option<u32>,
+
+    /// Evaluate a drafter by speculative decoding (written by `dflash-orch eval`): decode the
+    /// request's prompts on this worker's device and print one JSON line per prompt.
+    #[arg(long, value_name = "REQUEST")]
+    pub eval: Option<PathBuf>,
 
     /// Synthetic stage: microseconds spent per token of a forward pass.
     #[arg(long, value_name = "US", default_value_t = 0.0)]
@@ -161,6 +167,9 @@ pub fn run(args: WorkerArgs) -> Result<(), WorkerError> {
             dflash::copy_bench(&device, u64::from(mib) << 20).map_err(WorkerError::Invalid)?;
         println!("{report}");
         return Ok(());
+    }
+    if let Some(request) = &args.eval {
+        return speculative::run_eval(request).map_err(WorkerError::Stage);
     }
     let name = args.ipc.clone().ok_or(WorkerError::NoOrchestrator)?;
     let role = match args.role.as_str() {

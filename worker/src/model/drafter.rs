@@ -255,6 +255,16 @@ impl Drafter {
     /// `[kv_heads, seq, head_dim]` each, in the compute dtype. Computed once and shared by every
     /// block of the sequence.
     pub fn context(&self, features: &Tensor) -> candle_core::Result<Vec<(Tensor, Tensor)>> {
+        self.context_at(features, 0)
+    }
+
+    /// [`Drafter::context`] of features at positions `offset..`: each position's keys and values
+    /// depend on its own features alone, so a decoder extends its context piece by piece.
+    pub fn context_at(
+        &self,
+        features: &Tensor,
+        offset: usize,
+    ) -> candle_core::Result<Vec<(Tensor, Tensor)>> {
         let c = &self.config;
         let dev = features.device();
         let s = features.dim(0)?;
@@ -263,7 +273,8 @@ impl Drafter {
             .to_dtype(self.compute)?
             .matmul(&self.weight("fc.weight")?.t()?)?;
         let ctx = rms_norm(&ctx, self.get("hidden_norm.weight"), c.rms_eps)?;
-        let (cos, sin) = rope_tables(&Tensor::arange(0u32, s as u32, dev)?, d, c.rope_theta)?;
+        let positions = Tensor::arange(offset as u32, (offset + s) as u32, dev)?;
+        let (cos, sin) = rope_tables(&positions, d, c.rope_theta)?;
         let (cos, sin) = (
             cos.to_dtype(self.compute)?.unsqueeze(0)?,
             sin.to_dtype(self.compute)?.unsqueeze(0)?,
@@ -306,6 +317,53 @@ impl Drafter {
         let c = &self.config;
         let dev = embedding.device();
         let (a, b) = (anchors.len(), c.block_size);
+        let h = c.hidden;
+        let cdt = self.compute;
+        let anchor_tokens: Vec<u32> = anchors.iter().map(|&anchor| tokens[anchor]).collect();
+        let x = self.block_states(context, &anchor_tokens, anchors, b, embedding)?;
+        let logits = x
+            .reshape((a * b, h))?
+            .matmul(&lm_head.to_dtype(cdt)?.t()?)?
+            .to_dtype(DType::F32)?;
+        // Targets and weights: position k of block i predicts tokens[anchor + k].
+        let (targets, weights) = targets_and_weights(tokens, loss_mask, anchors, b, gamma);
+        let targets_t = Tensor::from_vec(targets.clone(), a * b, dev)?;
+        let log_probs = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
+        let picked = log_probs.gather(&targets_t.unsqueeze(1)?, 1)?.squeeze(1)?;
+        let total: f32 = weights.iter().sum();
+        let w_t = Tensor::from_vec(weights.clone(), a * b, dev)?;
+        let sum = picked.mul(&w_t)?.sum_all()?.neg()?;
+        // Accuracy per block position.
+        let predicted = logits.argmax(D::Minus1)?.to_vec1::<u32>()?;
+        let mut acc = vec![(0u32, 0u32); b];
+        for (i, (&p, &t)) in predicted.iter().zip(&targets).enumerate() {
+            if weights[i] > 0.0 {
+                acc[i % b].1 += 1;
+                acc[i % b].0 += u32::from(p == t);
+            }
+        }
+        Ok(LossParts {
+            sum,
+            weight: f64::from(total),
+            accuracy: acc,
+        })
+    }
+
+    /// The drafter's final hidden states `[a, b, hidden]` (normed, before the lm_head) of one
+    /// block per anchor: the anchor's token then `b - 1` mask tokens at positions
+    /// `anchor..anchor + b`, against a sequence's `context` (only the positions before each
+    /// anchor are seen; only those before the last anchor are read).
+    pub fn block_states(
+        &self,
+        context: &[(Tensor, Tensor)],
+        anchor_tokens: &[u32],
+        anchors: &[usize],
+        b: usize,
+        embedding: &Tensor,
+    ) -> candle_core::Result<Tensor> {
+        let c = &self.config;
+        let dev = embedding.device();
+        let a = anchors.len();
         let (h, d) = (c.hidden, c.head_dim);
         let eps = c.rms_eps;
         let cdt = self.compute;
@@ -317,8 +375,8 @@ impl Drafter {
         // Blocks: anchor token then mask tokens, [a, b].
         let mut block_ids = Vec::with_capacity(a * b);
         let mut block_pos = Vec::with_capacity(a * b);
-        for &anchor in anchors {
-            block_ids.push(tokens[anchor]);
+        for (&anchor, &token) in anchors.iter().zip(anchor_tokens) {
+            block_ids.push(token);
             block_ids.extend(std::iter::repeat_n(c.mask_token_id, b - 1));
             block_pos.extend((anchor..anchor + b).map(|p| p as u32));
         }
@@ -431,33 +489,31 @@ impl Drafter {
             let act = (gate.clone() * candle_nn::ops::sigmoid(&gate)?)?;
             x = (x + linear(&(act * up)?, &p("mlp.down_proj.weight"))?)?;
         }
-        let x = rms_norm(&x, self.get("norm.weight"), eps)?;
-        let logits = x
-            .reshape((a * b, h))?
-            .matmul(&lm_head.to_dtype(cdt)?.t()?)?
-            .to_dtype(DType::F32)?;
-        // Targets and weights: position k of block i predicts tokens[anchor + k].
-        let (targets, weights) = targets_and_weights(tokens, loss_mask, anchors, b, gamma);
-        let targets_t = Tensor::from_vec(targets.clone(), a * b, dev)?;
-        let log_probs = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
-        let picked = log_probs.gather(&targets_t.unsqueeze(1)?, 1)?.squeeze(1)?;
-        let total: f32 = weights.iter().sum();
-        let w_t = Tensor::from_vec(weights.clone(), a * b, dev)?;
-        let sum = picked.mul(&w_t)?.sum_all()?.neg()?;
-        // Accuracy per block position.
-        let predicted = logits.argmax(D::Minus1)?.to_vec1::<u32>()?;
-        let mut acc = vec![(0u32, 0u32); b];
-        for (i, (&p, &t)) in predicted.iter().zip(&targets).enumerate() {
-            if weights[i] > 0.0 {
-                acc[i % b].1 += 1;
-                acc[i % b].0 += u32::from(p == t);
-            }
+        rms_norm(&x, self.get("norm.weight"), eps)
+    }
+
+    /// Drafts the `b - 1` tokens after `token` at position `position` (greedy), the block
+    /// `[token, MASK × (b - 1)]` seeing `context` (positions `0..position`, from
+    /// [`Drafter::context_at`]): one forward pass, as speculative decoding runs it.
+    pub fn draft(
+        &self,
+        context: &[(Tensor, Tensor)],
+        token: u32,
+        position: usize,
+        b: usize,
+        embedding: &Tensor,
+        lm_head: &Tensor,
+    ) -> candle_core::Result<Vec<u32>> {
+        if b < 2 {
+            return Ok(Vec::new());
         }
-        Ok(LossParts {
-            sum,
-            weight: f64::from(total),
-            accuracy: acc,
-        })
+        let x = self.block_states(context, &[token], &[position], b, embedding)?;
+        x.reshape((b, self.config.hidden))?
+            .narrow(0, 1, b - 1)?
+            .matmul(&lm_head.to_dtype(self.compute)?.t()?)?
+            .to_dtype(DType::F32)?
+            .argmax(D::Minus1)?
+            .to_vec1::<u32>()
     }
 
     /// The gradients (aligned with [`Drafter::params`]) of `scale ×` one sequence's weighted
@@ -796,6 +852,54 @@ mod tests {
                 .unwrap();
             assert!(norm > 0.0, "zero gradient for {}", p.name);
         }
+    }
+
+    /// The context built piece by piece (as decoding extends it) equals the whole one, and a
+    /// drafted block's tokens are the argmax of the training pass's logits at that anchor.
+    #[test]
+    fn context_in_pieces_equals_the_whole_and_drafts_match_the_training_pass() {
+        let (drafter, features, embedding, lm_head, tokens, _) = setup();
+        let whole = drafter.context(&features).unwrap();
+        let mut pieces = drafter
+            .context_at(&features.narrow(0, 0, 5).unwrap(), 0)
+            .unwrap();
+        for (from, len) in [(5, 1), (6, 4), (10, 2)] {
+            let more = drafter
+                .context_at(&features.narrow(0, from, len).unwrap(), from)
+                .unwrap();
+            for ((k, v), (k2, v2)) in pieces.iter_mut().zip(more) {
+                *k = Tensor::cat(&[&*k, &k2], 1).unwrap();
+                *v = Tensor::cat(&[&*v, &v2], 1).unwrap();
+            }
+        }
+        for ((k, v), (k2, v2)) in whole.iter().zip(&pieces) {
+            assert!(crate::model::max_abs_diff(k, k2).unwrap() < 1e-6);
+            assert!(crate::model::max_abs_diff(v, v2).unwrap() < 1e-6);
+        }
+        let b = drafter.config.block_size;
+        let anchor = 6;
+        let drafted = drafter
+            .draft(&pieces, tokens[anchor], anchor, b, &embedding, &lm_head)
+            .unwrap();
+        let states = drafter
+            .block_states(&whole, &[tokens[anchor]], &[anchor], b, &embedding)
+            .unwrap();
+        let want = states
+            .reshape((b, drafter.config.hidden))
+            .unwrap()
+            .matmul(&lm_head.t().unwrap())
+            .unwrap()
+            .argmax(D::Minus1)
+            .unwrap()
+            .to_vec1::<u32>()
+            .unwrap();
+        assert_eq!(drafted, want[1..].to_vec());
+        assert!(
+            drafter
+                .draft(&pieces, 1, 3, 1, &embedding, &lm_head)
+                .unwrap()
+                .is_empty()
+        );
     }
 
     /// A block sees only the context before its anchor: changing later context leaves its loss

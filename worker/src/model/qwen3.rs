@@ -307,6 +307,19 @@ impl KvCache {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+
+    /// Forgets every position from `len` on (the rejected tail of a speculative block).
+    pub fn truncate(&mut self, len: usize) -> candle_core::Result<()> {
+        if len >= self.len {
+            return Ok(());
+        }
+        for (k, v) in self.layers.iter_mut().flatten() {
+            *k = k.narrow(1, 0, len)?;
+            *v = v.narrow(1, 0, len)?;
+        }
+        self.len = len;
+        Ok(())
+    }
 }
 
 impl Qwen3 {

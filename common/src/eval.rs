@@ -1,0 +1,342 @@
+//! Speculative-decoding evaluation: the drafter checkpoint's `config.json` as serving stacks read
+//! it, and what `dflash-orch eval` hands a worker (`dflash-worker --eval REQUEST.json`) and reads
+//! back (one JSON line per prompt on the worker's stdout).
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::dflash::{ModelDirError, Precision, Qwen3Config};
+
+/// Version of [`EvalRequest`] and [`PromptResult`]; a worker refuses another.
+pub const EVAL_VERSION: u32 = 1;
+
+/// The fields of a DFlash drafter's `config.json` that decide how it runs, read the way the
+/// official `DFlashDraftModel` reads them: `block_size`, `mask_token_id` and `target_layer_ids`
+/// from `dflash_config`, else from the top level.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DraftConfig {
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub vocab_size: usize,
+    pub block_size: usize,
+    pub mask_token_id: u32,
+    pub target_layer_ids: Vec<usize>,
+    /// The target's layer count the drafter was trained against, when the file says.
+    pub num_target_layers: Option<usize>,
+    /// The target's hidden size, when the file says (it differs from `hidden_size` only for
+    /// drafters narrower than their target, which this build does not train).
+    pub target_hidden_size: Option<usize>,
+}
+
+#[derive(Deserialize)]
+struct RawDraftConfig {
+    #[serde(default)]
+    architectures: Vec<String>,
+    hidden_size: usize,
+    intermediate_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    num_key_value_heads: usize,
+    #[serde(default)]
+    head_dim: Option<usize>,
+    rms_norm_eps: f64,
+    #[serde(default)]
+    rope_theta: Option<f64>,
+    vocab_size: usize,
+    #[serde(default)]
+    block_size: Option<usize>,
+    #[serde(default)]
+    mask_token_id: Option<u32>,
+    #[serde(default)]
+    target_layer_ids: Option<Vec<usize>>,
+    #[serde(default)]
+    num_target_layers: Option<usize>,
+    #[serde(default)]
+    target_hidden_size: Option<usize>,
+    #[serde(default)]
+    dflash_config: Option<RawDflashFields>,
+}
+
+#[derive(Deserialize, Default)]
+struct RawDflashFields {
+    #[serde(default)]
+    block_size: Option<usize>,
+    #[serde(default)]
+    mask_token_id: Option<u32>,
+    #[serde(default)]
+    target_layer_ids: Option<Vec<usize>>,
+}
+
+fn invalid(path: &Path, reason: impl Into<String>) -> ModelDirError {
+    ModelDirError {
+        path: path.to_path_buf(),
+        reason: reason.into(),
+    }
+}
+
+impl DraftConfig {
+    /// Reads `config.json` of the drafter checkpoint in `dir`.
+    pub fn read(dir: &Path) -> Result<Self, ModelDirError> {
+        let path = dir.join("config.json");
+        let text = std::fs::read(&path).map_err(|e| invalid(&path, format!("cannot read: {e}")))?;
+        Self::parse(&text).map_err(|reason| invalid(&path, reason))
+    }
+
+    /// Parses a drafter `config.json`.
+    pub fn parse(text: &[u8]) -> Result<Self, String> {
+        let raw: RawDraftConfig = serde_json::from_slice(text)
+            .map_err(|e| format!("not a DFlash drafter config: {e}"))?;
+        if !raw.architectures.iter().any(|a| a == "DFlashDraftModel") {
+            return Err(format!(
+                "architectures {:?} does not name DFlashDraftModel",
+                raw.architectures
+            ));
+        }
+        let fields = raw.dflash_config.unwrap_or_default();
+        let block_size = fields.block_size.or(raw.block_size).unwrap_or(16);
+        let mask_token_id = fields
+            .mask_token_id
+            .or(raw.mask_token_id)
+            .ok_or("no mask_token_id (in dflash_config or at the top level)")?;
+        let target_layer_ids = fields
+            .target_layer_ids
+            .or(raw.target_layer_ids)
+            .ok_or("no target_layer_ids (in dflash_config or at the top level)")?;
+        let heads = raw.num_attention_heads;
+        let head_dim = raw.head_dim.unwrap_or(raw.hidden_size / heads.max(1));
+        if heads == 0
+            || raw.num_key_value_heads == 0
+            || !heads.is_multiple_of(raw.num_key_value_heads)
+        {
+            return Err(
+                "num_attention_heads must be a positive multiple of num_key_value_heads".into(),
+            );
+        }
+        if raw.hidden_size == 0
+            || raw.intermediate_size == 0
+            || raw.num_hidden_layers == 0
+            || raw.vocab_size == 0
+            || head_dim == 0
+            || !head_dim.is_multiple_of(2)
+        {
+            return Err(
+                "hidden_size, intermediate_size, num_hidden_layers and vocab_size must be positive and head_dim even"
+                    .into(),
+            );
+        }
+        if block_size < 2 {
+            return Err(format!("block_size {block_size} is below 2"));
+        }
+        if target_layer_ids.is_empty() {
+            return Err("target_layer_ids is empty".into());
+        }
+        if !(raw.rms_norm_eps > 0.0 && raw.rms_norm_eps.is_finite()) {
+            return Err("rms_norm_eps must be positive".into());
+        }
+        Ok(Self {
+            hidden_size: raw.hidden_size,
+            intermediate_size: raw.intermediate_size,
+            num_hidden_layers: raw.num_hidden_layers,
+            num_attention_heads: heads,
+            num_key_value_heads: raw.num_key_value_heads,
+            head_dim,
+            rms_norm_eps: raw.rms_norm_eps,
+            rope_theta: raw.rope_theta.unwrap_or(10_000.0),
+            vocab_size: raw.vocab_size,
+            block_size,
+            mask_token_id,
+            target_layer_ids,
+            num_target_layers: raw.num_target_layers,
+            target_hidden_size: raw.target_hidden_size,
+        })
+    }
+
+    /// Checks that this drafter was made for `target`: its layer ids exist there, its hidden size
+    /// and vocabulary are the target's, its mask token is a row of the target's embedding.
+    pub fn check_target(&self, target: &Qwen3Config) -> Result<(), String> {
+        let layers = target.num_hidden_layers;
+        if let Some(n) = self.num_target_layers
+            && n != layers
+        {
+            return Err(format!(
+                "the drafter was trained on a target of {n} layers (num_target_layers), this target has {layers}"
+            ));
+        }
+        if let Some(&bad) = self.target_layer_ids.iter().find(|&&l| l >= layers) {
+            return Err(format!(
+                "target_layer_ids {:?} names layer {bad}, beyond the target's {layers} layers",
+                self.target_layer_ids
+            ));
+        }
+        let width = self.target_hidden_size.unwrap_or(self.hidden_size);
+        if width != target.hidden_size || self.hidden_size != target.hidden_size {
+            return Err(format!(
+                "the drafter's hidden size is {width}, the target's {}",
+                target.hidden_size
+            ));
+        }
+        if self.vocab_size != target.vocab_size {
+            return Err(format!(
+                "the drafter's vocabulary has {} tokens, the target's {}",
+                self.vocab_size, target.vocab_size
+            ));
+        }
+        if self.mask_token_id as usize >= target.vocab_size {
+            return Err(format!(
+                "mask_token_id {} is outside the target's embedding (0..{})",
+                self.mask_token_id, target.vocab_size
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// What a worker evaluates: greedy decoding of each prompt by the target alone and with the
+/// drafter (speculative), on this worker's device.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EvalRequest {
+    pub version: u32,
+    pub target_model: PathBuf,
+    /// The drafter checkpoint directory (`config.json` and `model.safetensors`).
+    pub drafter: PathBuf,
+    /// Tokens drafted and verified per step (the drafter's `block_size` unless overridden).
+    pub block_size: usize,
+    pub prompts: Vec<Vec<u32>>,
+    /// New tokens per prompt at most, the first one (from the prefill) included.
+    pub max_new_tokens: usize,
+    /// Generation stops after any of these tokens.
+    pub stop_token_ids: Vec<u32>,
+    pub dtype: Precision,
+    /// Also decode with the target alone (for the speedup and the lossless check).
+    pub baseline: bool,
+}
+
+/// One prompt's outcome, as the worker prints it (one JSON line).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PromptResult {
+    /// Index in [`EvalRequest::prompts`].
+    pub prompt: usize,
+    /// The tokens generated by speculative decoding (the prompt not included).
+    pub output_ids: Vec<u32>,
+    /// Tokens gained per verify step (accepted draft tokens + 1, capped at the end).
+    pub acceptance: Vec<u32>,
+    /// Seconds of speculative decoding after the prefill.
+    pub speculative_seconds: f64,
+    /// The tokens of plain greedy decoding by the target, when asked for.
+    pub baseline_ids: Option<Vec<u32>>,
+    /// Seconds of plain decoding after the prefill.
+    pub baseline_seconds: Option<f64>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(extra: &str) -> String {
+        format!(
+            r#"{{"architectures": ["DFlashDraftModel"], "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-6, "vocab_size": 512{extra}}}"#
+        )
+    }
+
+    #[test]
+    fn fields_come_from_dflash_config_then_the_top_level() {
+        let c = DraftConfig::parse(
+            config(
+                r#", "block_size": 8, "mask_token_id": 3, "target_layer_ids": [0],
+                "dflash_config": {"block_size": 16, "target_layer_ids": [1, 2]}"#,
+            )
+            .as_bytes(),
+        )
+        .unwrap();
+        assert_eq!(c.block_size, 16);
+        assert_eq!(c.mask_token_id, 3);
+        assert_eq!(c.target_layer_ids, vec![1, 2]);
+        assert_eq!(c.head_dim, 16);
+    }
+
+    #[test]
+    fn bad_configs_are_refused_with_the_reason() {
+        for (extra, want) in [
+            (r#", "target_layer_ids": [1]"#, "mask_token_id"),
+            (r#", "mask_token_id": 1"#, "target_layer_ids"),
+            (
+                r#", "mask_token_id": 1, "target_layer_ids": [], "block_size": 4"#,
+                "empty",
+            ),
+            (
+                r#", "mask_token_id": 1, "target_layer_ids": [1], "block_size": 1"#,
+                "below 2",
+            ),
+        ] {
+            let err = DraftConfig::parse(config(extra).as_bytes()).unwrap_err();
+            assert!(err.contains(want), "{extra}: {err}");
+        }
+        for text in ["", "{", "[]", r#"{"architectures": ["Qwen3ForCausalLM"]}"#] {
+            assert!(DraftConfig::parse(text.as_bytes()).is_err(), "{text}");
+        }
+        let wrong_arch = config(r#", "mask_token_id": 1, "target_layer_ids": [1]"#)
+            .replace("DFlashDraftModel", "LlamaForCausalLM");
+        assert!(
+            DraftConfig::parse(wrong_arch.as_bytes())
+                .unwrap_err()
+                .contains("DFlashDraftModel")
+        );
+    }
+
+    #[test]
+    fn a_drafter_for_another_target_is_refused() {
+        let target: Qwen3Config = serde_json::from_str(
+            r#"{"architectures": ["Qwen3ForCausalLM"], "vocab_size": 512, "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "rms_norm_eps": 1e-6}"#,
+        )
+        .unwrap();
+        let ok = r#", "mask_token_id": 1, "dflash_config": {"target_layer_ids": [1, 2]}"#;
+        let parse = |s: &str| DraftConfig::parse(config(s).as_bytes()).unwrap();
+        parse(ok).check_target(&target).unwrap();
+        for (extra, want) in [
+            (
+                r#", "mask_token_id": 1, "target_layer_ids": [1, 4]"#,
+                "layer 4",
+            ),
+            (
+                r#", "mask_token_id": 512, "target_layer_ids": [1]"#,
+                "outside the target's embedding",
+            ),
+            (
+                r#", "mask_token_id": 1, "target_layer_ids": [1], "num_target_layers": 36"#,
+                "36 layers",
+            ),
+            (
+                r#", "mask_token_id": 1, "target_layer_ids": [1], "target_hidden_size": 4096"#,
+                "hidden size",
+            ),
+        ] {
+            let err = parse(extra).check_target(&target).unwrap_err();
+            assert!(err.contains(want), "{extra}: {err}");
+        }
+        let mut wide = parse(ok);
+        wide.vocab_size = 600;
+        assert!(
+            wide.check_target(&target)
+                .unwrap_err()
+                .contains("vocabulary")
+        );
+        wide.vocab_size = 512;
+        wide.hidden_size = 32;
+        assert!(
+            wide.check_target(&target)
+                .unwrap_err()
+                .contains("hidden size")
+        );
+    }
+}

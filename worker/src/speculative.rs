@@ -1,0 +1,360 @@
+//! Greedy decoding by the target alone and with a DFlash drafter (speculative decoding), as the
+//! official DFlash code runs it, and the drafter loaded from a checkpoint directory.
+//!
+//! One step of speculative decoding: the drafter fills the block `[last token, MASK × (B − 1)]` in
+//! one pass, seeing the target's hidden states (at `target_layer_ids`) of every token before the
+//! block; one target pass verifies the block; the longest prefix of draft tokens that equals the
+//! target's own greedy choices is accepted, plus the target's next token after it. The step gains
+//! `accepted + 1` tokens (capped by the token limit and cut after a stop token). Greedy
+//! acceptance keeps the output equal to plain greedy decoding by the target, token for token (up
+//! to float rounding between a block pass and single-token passes).
+
+use std::path::Path;
+use std::time::Instant;
+
+use candle_core::{D, DType, Device, Tensor};
+use dflash_common::eval::DraftConfig;
+
+use crate::model::drafter::{Drafter, DrafterConfig};
+use crate::model::qwen3::{KvCache, ModelError, Qwen3};
+
+/// The target with its output head, ready to decode.
+pub struct Target<'a> {
+    pub model: &'a Qwen3,
+    /// `[vocab, hidden]`, in the model's dtype.
+    pub lm_head: &'a Tensor,
+}
+
+/// What proposes the tokens of a block: the DFlash drafter, or a test's oracle.
+pub trait Proposer {
+    /// Tokens per block (drafted and verified per step).
+    fn block_size(&self) -> usize;
+    /// The token that fills the undrafted positions of a block.
+    fn mask_token(&self) -> u32;
+    /// The target layers whose hidden states the proposer reads (layer id k: hidden state k + 1).
+    fn target_layer_ids(&self) -> &[usize];
+    /// Starts a prompt: `features` (`[n, width]`) of its positions `0..n`.
+    fn start(&mut self, features: &Tensor) -> Result<(), String>;
+    /// Adds the features of the accepted positions `offset..offset + n`.
+    fn extend(&mut self, features: &Tensor, offset: usize) -> Result<(), String>;
+    /// The `b - 1` tokens after `token` at `position`, every position before it known.
+    fn propose(&mut self, token: u32, position: usize, b: usize) -> Result<Vec<u32>, String>;
+}
+
+/// The DFlash drafter with what it borrows from the target, and its context of the prompt
+/// being decoded (keys and values per drafter layer, extended as tokens are accepted).
+pub struct Draft<'a> {
+    pub drafter: &'a Drafter,
+    /// The target's embedding `[vocab, hidden]`.
+    pub embedding: &'a Tensor,
+    /// The target's output head `[vocab, hidden]`.
+    pub lm_head: &'a Tensor,
+    /// Tokens per block (drafted and verified per step).
+    pub block_size: usize,
+    context: Vec<(Tensor, Tensor)>,
+}
+
+impl<'a> Draft<'a> {
+    pub fn new(
+        drafter: &'a Drafter,
+        embedding: &'a Tensor,
+        lm_head: &'a Tensor,
+        block_size: usize,
+    ) -> Self {
+        Self {
+            drafter,
+            embedding,
+            lm_head,
+            block_size,
+            context: Vec::new(),
+        }
+    }
+}
+
+impl Proposer for Draft<'_> {
+    fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    fn mask_token(&self) -> u32 {
+        self.drafter.config.mask_token_id
+    }
+
+    fn target_layer_ids(&self) -> &[usize] {
+        &self.drafter.config.target_layer_ids
+    }
+
+    fn start(&mut self, features: &Tensor) -> Result<(), String> {
+        self.context = self.drafter.context_at(features, 0).map_err(err)?;
+        Ok(())
+    }
+
+    fn extend(&mut self, features: &Tensor, offset: usize) -> Result<(), String> {
+        let more = self.drafter.context_at(features, offset).map_err(err)?;
+        for ((k, v), (k2, v2)) in self.context.iter_mut().zip(more) {
+            *k = Tensor::cat(&[&*k, &k2], 1).map_err(err)?;
+            *v = Tensor::cat(&[&*v, &v2], 1).map_err(err)?;
+        }
+        Ok(())
+    }
+
+    fn propose(&mut self, token: u32, position: usize, b: usize) -> Result<Vec<u32>, String> {
+        self.drafter
+            .draft(
+                &self.context,
+                token,
+                position,
+                b,
+                self.embedding,
+                self.lm_head,
+            )
+            .map_err(err)
+    }
+}
+
+/// One prompt decoded.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Generation {
+    /// The new tokens (the prompt not included).
+    pub output_ids: Vec<u32>,
+    /// Tokens gained per verify step (for plain decoding, 1 per step).
+    pub acceptance: Vec<u32>,
+    /// Seconds after the prefill.
+    pub decode_seconds: f64,
+}
+
+fn err(e: impl std::fmt::Display) -> String {
+    e.to_string()
+}
+
+impl Target<'_> {
+    /// The hidden-state indices a step asks for: the drafter's features (layer id k is hidden
+    /// state k + 1), then the final normed state for the logits.
+    fn indices(&self, draft: Option<&dyn Proposer>) -> Vec<usize> {
+        let mut indices: Vec<usize> = draft.map_or_else(Vec::new, |d| {
+            d.target_layer_ids().iter().map(|l| l + 1).collect()
+        });
+        indices.push(self.model.config.num_hidden_layers);
+        indices
+    }
+
+    /// Runs `tokens` after what `cache` holds: the greedy next token after each of them, and the
+    /// drafter's features of each (`[n, width]`) when asked.
+    fn step(
+        &self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        indices: &[usize],
+        features: bool,
+    ) -> Result<(Vec<u32>, Option<Tensor>), String> {
+        let mut states = self
+            .model
+            .extend(std::slice::from_mut(cache), &[tokens], indices)
+            .map_err(err)?
+            .pop()
+            .ok_or("the target returned no states")?;
+        let last = states.pop().ok_or("the target returned no final state")?;
+        let next = last
+            .matmul(&self.lm_head.t().map_err(err)?)
+            .and_then(|l| l.to_dtype(DType::F32))
+            .and_then(|l| l.argmax(D::Minus1))
+            .and_then(|l| l.to_vec1::<u32>())
+            .map_err(err)?;
+        let features = if features && !states.is_empty() {
+            Some(Tensor::cat(&states, D::Minus1).map_err(err)?)
+        } else {
+            None
+        };
+        Ok((next, features))
+    }
+
+    /// Decodes `prompt` greedily: with `draft`, speculatively; without, one token per target
+    /// pass. At most `max_new_tokens` new tokens (the first, from the prefill, included), ending
+    /// after the first of `stop` generated.
+    pub fn generate(
+        &self,
+        mut draft: Option<&mut dyn Proposer>,
+        prompt: &[u32],
+        max_new_tokens: usize,
+        stop: &[u32],
+    ) -> Result<Generation, String> {
+        if prompt.is_empty() {
+            return Err("an empty prompt".into());
+        }
+        let n = prompt.len();
+        let max_length = n + max_new_tokens;
+        let block = draft.as_deref().map_or(1, |d| d.block_size().max(1));
+        let mask = draft.as_deref().map_or(0, |d| d.mask_token());
+        let indices = self.indices(draft.as_deref());
+        let mut cache = KvCache::default();
+        let (next, features) = self.step(&mut cache, prompt, &indices, draft.is_some())?;
+        let mut out: Vec<u32> = prompt.to_vec();
+        out.push(*next.last().ok_or("no logits")?);
+        if max_new_tokens == 0 {
+            out.truncate(n);
+        }
+        if let (Some(d), Some(f)) = (draft.as_deref_mut(), &features) {
+            d.start(f)?;
+        }
+        let started = Instant::now();
+        let mut acceptance = Vec::new();
+        let mut start = n;
+        let mut stopped = out.len() > n && stop.contains(&out[n]);
+        while start + 1 < max_length && !stopped {
+            let verify = block.min(max_length - start);
+            let mut tokens = vec![out[start]];
+            if verify > 1
+                && let Some(d) = draft.as_deref_mut()
+            {
+                let drafted = d.propose(out[start], start, verify)?;
+                tokens.extend(drafted.into_iter().take(verify - 1));
+            }
+            tokens.resize(verify, mask);
+            let (posterior, features) = self.step(&mut cache, &tokens, &indices, verify > 1)?;
+            let accepted = tokens[1..]
+                .iter()
+                .zip(&posterior)
+                .take_while(|(a, b)| a == b)
+                .count();
+            let mut gained: Vec<u32> = tokens[1..=accepted].to_vec();
+            gained.push(posterior[accepted]);
+            gained.truncate(max_length - start - 1);
+            if let Some(i) = gained.iter().position(|t| stop.contains(t)) {
+                gained.truncate(i + 1);
+                stopped = true;
+            }
+            let produced = gained.len();
+            out.truncate(start + 1);
+            out.extend_from_slice(&gained);
+            // The target's cache and the drafter's context keep the verified positions only:
+            // the block's first `produced` tokens (the last gained token is the next block's
+            // first, not yet run).
+            cache.truncate(start + produced).map_err(err)?;
+            if let (Some(d), Some(f)) = (draft.as_deref_mut(), features) {
+                d.extend(&f.narrow(0, 0, produced).map_err(err)?, start)?;
+            }
+            start += produced;
+            acceptance.push(produced as u32);
+        }
+        out.truncate((start + 1).min(max_length));
+        Ok(Generation {
+            output_ids: out.split_off(n),
+            acceptance,
+            decode_seconds: started.elapsed().as_secs_f64(),
+        })
+    }
+}
+
+/// Loads the drafter of a checkpoint directory (`config.json` in the DFlash draft layout and
+/// `model.safetensors`, any float dtype), every tensor present and of its shape, none unknown;
+/// its forward pass computes in `compute`.
+pub fn load_drafter(dir: &Path, device: &Device, compute: DType) -> Result<Drafter, ModelError> {
+    let invalid = |path: &Path, reason: String| ModelError::Invalid {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let c = DraftConfig::read(dir)?;
+    let config = DrafterConfig {
+        hidden: c.hidden_size,
+        intermediate: c.intermediate_size,
+        layers: c.num_hidden_layers,
+        heads: c.num_attention_heads,
+        kv_heads: c.num_key_value_heads,
+        head_dim: c.head_dim,
+        rms_eps: c.rms_norm_eps,
+        rope_theta: c.rope_theta,
+        block_size: c.block_size,
+        mask_token_id: c.mask_token_id,
+        target_layer_ids: c.target_layer_ids.clone(),
+        vocab: c.vocab_size,
+    };
+    let path = dir.join("model.safetensors");
+    let mut tensors = candle_core::safetensors::load(&path, device)
+        .map_err(|e| invalid(&path, format!("cannot read the weights: {e}")))?;
+    let drafter = Drafter::new(config, 0, device)?.with_compute(compute);
+    for p in &drafter.params {
+        let t = tensors
+            .remove(&p.name)
+            .ok_or_else(|| invalid(&path, format!("has no tensor {}", p.name)))?;
+        if t.dims() != p.var.as_tensor().dims() {
+            return Err(invalid(
+                &path,
+                format!(
+                    "{} has shape {:?}, config.json makes it {:?}",
+                    p.name,
+                    t.dims(),
+                    p.var.as_tensor().dims()
+                ),
+            ));
+        }
+        p.var.set(&t.to_dtype(DType::F32)?)?;
+    }
+    if let Some(extra) = tensors.keys().min() {
+        return Err(invalid(
+            &path,
+            format!("has a tensor this drafter does not know: {extra}"),
+        ));
+    }
+    Ok(drafter)
+}
+
+/// `dflash-worker --eval REQUEST.json`: decodes every prompt of the request on this worker's
+/// device and prints one [`PromptResult`](dflash_common::eval::PromptResult) JSON line per prompt
+/// on stdout as it finishes.
+pub fn run_eval(request: &Path) -> Result<(), String> {
+    use dflash_common::eval::{EVAL_VERSION, EvalRequest, PromptResult};
+    use std::io::Write;
+    let text = std::fs::read(request).map_err(|e| format!("{}: {e}", request.display()))?;
+    let req: EvalRequest =
+        serde_json::from_slice(&text).map_err(|e| format!("{}: {e}", request.display()))?;
+    if req.version != EVAL_VERSION {
+        return Err(format!(
+            "{}: request version {}, this worker speaks {EVAL_VERSION}",
+            request.display(),
+            req.version
+        ));
+    }
+    let device = crate::dflash::device()?;
+    let dtype = crate::dflash::dtype(req.dtype);
+    let target_config = crate::model::qwen3::read_config(&req.target_model).map_err(err)?;
+    DraftConfig::read(&req.drafter)
+        .map_err(err)?
+        .check_target(&target_config)
+        .map_err(|e| format!("{}: {e}", req.drafter.display()))?;
+    let model = Qwen3::load(&req.target_model, None, &device, dtype).map_err(err)?;
+    let (embedding, lm_head) =
+        crate::model::qwen3::load_heads(&req.target_model, &device, dtype).map_err(err)?;
+    let drafter = load_drafter(&req.drafter, &device, dtype).map_err(err)?;
+    let target = Target {
+        model: &model,
+        lm_head: &lm_head,
+    };
+    let mut draft = Draft::new(&drafter, &embedding, &lm_head, req.block_size);
+    let mut stdout = std::io::stdout().lock();
+    for (i, prompt) in req.prompts.iter().enumerate() {
+        let spec = target.generate(
+            Some(&mut draft),
+            prompt,
+            req.max_new_tokens,
+            &req.stop_token_ids,
+        )?;
+        let baseline = if req.baseline {
+            Some(target.generate(None, prompt, req.max_new_tokens, &req.stop_token_ids)?)
+        } else {
+            None
+        };
+        let result = PromptResult {
+            prompt: i,
+            output_ids: spec.output_ids,
+            acceptance: spec.acceptance,
+            speculative_seconds: spec.decode_seconds,
+            baseline_seconds: baseline.as_ref().map(|b| b.decode_seconds),
+            baseline_ids: baseline.map(|b| b.output_ids),
+        };
+        let line = serde_json::to_string(&result).map_err(err)?;
+        writeln!(stdout, "{line}")
+            .and_then(|()| stdout.flush())
+            .map_err(|e| format!("cannot write the result: {e}"))?;
+    }
+    Ok(())
+}
