@@ -54,6 +54,9 @@ pub enum Command {
     /// Write one self-contained HTML page about a run: loss and accuracy, throughput, buckets, GPU
     /// power and utilization, restarts.
     Report(commands::report::ReportArgs),
+    /// Measure a drafter's served acceptance (τ) and speedup by greedy speculative decoding with
+    /// the target, and check the output equals plain greedy decoding.
+    Eval(commands::eval::EvalArgs),
     /// Train a DFlash drafter end to end on this machine's CPUs: tiny target, generated
     /// conversations, prepare, launch, final figures (a few minutes; no GPU, no downloads).
     Demo(commands::demo::DemoArgs),
@@ -213,6 +216,7 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::Clean(args) => commands::clean::run(args),
         Command::InitTiny(args) => commands::init_tiny::run(args),
         Command::Demo(args) => commands::demo::run(args),
+        Command::Eval(args) => commands::eval::run(args),
         Command::Top(args) => commands::top::run(args),
         Command::Report(args) => commands::report::run(args),
     }

@@ -25,6 +25,7 @@ fn inputs() -> impl Strategy<Value = Vec<u8>> {
                 r#"{"cmd":"restart","worker":"#,
                 r#"{"event":"commit","epoch":"#,
                 r#"{"format":"dflash-store","version":1,"#,
+                r#"{"architectures":["DFlashDraftModel"],"hidden_size":8,"intermediate_size":8,"num_hidden_layers":1,"num_attention_heads":2,"num_key_value_heads":1,"rms_norm_eps":0.1,"vocab_size":9,"#,
             ]),
             "[ -~]{0,80}"
         )
@@ -42,6 +43,7 @@ proptest! {
         let _ = parse_conversation(&bytes);
         let _ = parse_request(&bytes);
         let _ = crate::store::parse_meta(std::path::Path::new("s"), &bytes);
+        let _ = dflash_common::eval::DraftConfig::parse(&bytes);
     }
 
     #[test]

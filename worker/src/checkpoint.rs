@@ -23,6 +23,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::model::drafter::Drafter;
+use crate::model::qwen3::Qwen3Config;
 use crate::train::AdamW;
 
 /// Where training stands.
@@ -677,30 +678,45 @@ mod tests {
     }
 }
 
-/// `config.json` of a drafter checkpoint: the Hugging Face DFlash draft layout.
-pub fn hf_config(drafter: &Drafter, target_layers: usize) -> Value {
+/// `config.json` of a drafter checkpoint: the Hugging Face DFlash draft layout, with every field
+/// the official `DFlashDraftModel` and the serving loaders (SGLang, vLLM) read: `block_size` at
+/// the top level and in `dflash_config` (readers differ on where they look), the target's layer
+/// ids (layer id k is the output of target layer k, `hidden_states[k + 1]`), the mask token, the
+/// target's layer count, and an explicit `layer_types` (the drafter's attention is not causal;
+/// a reader that infers a sliding or causal layer from a missing field would get it wrong).
+/// `auto_map` names the class as the published DFlash drafters do: `AutoModel` with
+/// `trust_remote_code` finds it in a `dflash.py` beside the weights, and the `dflash` package's
+/// `DFlashDraftModel.from_pretrained` loads the directory as it is.
+pub fn hf_config(drafter: &Drafter, target: &Qwen3Config) -> Value {
     let c = &drafter.config;
     serde_json::json!({
         "architectures": ["DFlashDraftModel"],
+        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
         "model_type": "qwen3",
         "block_size": c.block_size,
         "dflash_config": {
+            "block_size": c.block_size,
             "mask_token_id": c.mask_token_id,
             "target_layer_ids": c.target_layer_ids,
         },
-        "num_target_layers": target_layers,
+        "num_target_layers": target.num_hidden_layers,
         "vocab_size": c.vocab,
         "hidden_size": c.hidden,
         "intermediate_size": c.intermediate,
         "num_hidden_layers": c.layers,
+        "layer_types": vec!["full_attention"; c.layers],
         "num_attention_heads": c.heads,
         "num_key_value_heads": c.kv_heads,
         "head_dim": c.head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": c.rms_eps,
         "rope_theta": c.rope_theta,
+        "max_position_embeddings": target.max_position_embeddings.unwrap_or(32_768),
         "tie_word_embeddings": false,
         "attention_bias": false,
+        "attention_dropout": 0.0,
+        "use_sliding_window": false,
+        "sliding_window": null,
         "torch_dtype": "float32",
     })
 }
@@ -814,6 +830,40 @@ mod resume_tests {
         }
     }
 
+    fn tiny_target(layers: usize) -> Qwen3Config {
+        serde_json::from_value(serde_json::json!({
+            "architectures": ["Qwen3ForCausalLM"], "vocab_size": 20, "hidden_size": 16,
+            "intermediate_size": 32, "num_hidden_layers": layers, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "head_dim": 8, "rms_norm_eps": 1e-6
+        }))
+        .unwrap()
+    }
+
+    /// The checkpoint's config.json reads back as the drafter it describes, with the fields the
+    /// serving loaders look for.
+    #[test]
+    fn config_json_describes_the_drafter() {
+        let d = drafter();
+        let value = hf_config(&d, &tiny_target(4));
+        let read =
+            dflash_common::eval::DraftConfig::parse(&serde_json::to_vec(&value).unwrap()).unwrap();
+        let c = &d.config;
+        assert_eq!(
+            (
+                read.hidden_size,
+                read.num_hidden_layers,
+                read.block_size,
+                read.mask_token_id
+            ),
+            (c.hidden, c.layers, c.block_size, c.mask_token_id)
+        );
+        assert_eq!(read.target_layer_ids, c.target_layer_ids);
+        assert_eq!(read.num_target_layers, Some(4));
+        assert_eq!(value["block_size"], value["dflash_config"]["block_size"]);
+        assert_eq!(value["layer_types"].as_array().unwrap().len(), c.layers);
+        assert_eq!(value["auto_map"]["AutoModel"], "dflash.DFlashDraftModel");
+    }
+
     /// Saved at step 3 and resumed, training ends bit-identical to an uninterrupted run.
     #[test]
     fn resume_from_a_checkpoint_is_exact() {
@@ -843,7 +893,7 @@ mod resume_tests {
         };
         save(
             &root,
-            &snapshot(&first, &opt1, state, hf_config(&first, 4)).unwrap(),
+            &snapshot(&first, &opt1, state, hf_config(&first, &tiny_target(4))).unwrap(),
             2,
         )
         .unwrap();

@@ -384,7 +384,7 @@ impl DrafterStage {
             cursor = snapshot.state.plan_cursor;
             epoch = snapshot.state.epoch;
         }
-        let hf_config = checkpoint::hf_config(&drafter, target.num_hidden_layers);
+        let hf_config = checkpoint::hf_config(&drafter, &target);
         let writer = checkpoint::Writer::start(root.clone(), settings.keep_checkpoints)
             .map_err(|e| format!("cannot start the checkpoint writer: {e}"))?;
         Ok(Self {

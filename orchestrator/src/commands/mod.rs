@@ -2,6 +2,7 @@
 
 pub mod clean;
 pub mod demo;
+pub mod eval;
 pub mod init_tiny;
 pub mod inspect;
 pub mod launch;

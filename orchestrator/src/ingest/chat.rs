@@ -77,6 +77,16 @@ impl Template {
     }
 }
 
+impl Template {
+    /// The text that opens the assistant's turn: what a prompt ends with to ask for a reply.
+    pub fn assistant_header(self) -> &'static str {
+        match self {
+            Template::ChatMl => "<|im_start|>assistant\n",
+            Template::Llama3 => "<|start_header_id|>assistant<|end_header_id|>\n\n",
+        }
+    }
+}
+
 impl std::str::FromStr for Template {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
@@ -167,6 +177,24 @@ impl ChatEncoder {
             input_ids: encoding.get_ids().to_vec(),
             loss_mask: Some(loss_mask),
         })
+    }
+}
+
+impl ChatEncoder {
+    /// Token ids of a prompt asking for the assistant's reply after `turns` (trailing
+    /// assistant turns dropped: they are what the reply replaces).
+    pub fn encode_prompt(&self, turns: &[(Role, &str)]) -> Result<Vec<u32>, String> {
+        let keep = turns
+            .iter()
+            .rposition(|(role, _)| *role != Role::Assistant)
+            .map_or(0, |i| i + 1);
+        let (mut text, _) = self.template.render(&turns[..keep]);
+        text.push_str(self.template.assistant_header());
+        let encoding = self
+            .tokenizer
+            .encode(text.as_str(), false)
+            .map_err(|e| format!("tokenizer failed: {e}"))?;
+        Ok(encoding.get_ids().to_vec())
     }
 }
 

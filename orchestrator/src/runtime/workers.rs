@@ -48,6 +48,34 @@ pub fn worker_binary() -> PathBuf {
         .unwrap_or_else(|_| PathBuf::from("dflash-worker"))
 }
 
+/// Makes the process `command` starts a child of this one in every way that matters: in its own
+/// process group (signals to the orchestrator's group do not reach it, and it can be stopped with
+/// everything it started), killed when this process dies, pinned to `cpus` (none: unpinned).
+pub fn bind_to_parent(command: &mut Command, cpus: &[usize]) {
+    let parent = std::process::id();
+    let mut set = nix::sched::CpuSet::new();
+    for &cpu in cpus {
+        let _ = set.set(cpu);
+    }
+    let pin = !cpus.is_empty();
+    // SAFETY: only async-signal-safe calls between fork and exec (setpgid, prctl, getppid,
+    // sched_setaffinity, _exit).
+    unsafe {
+        command.pre_exec(move || {
+            libc::setpgid(0, 0);
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            // The parent died before the prctl took effect.
+            if libc::getppid() as u32 != parent {
+                libc::_exit(1);
+            }
+            if pin {
+                let _ = nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set);
+            }
+            Ok(())
+        });
+    }
+}
+
 /// CPUs this process may run on.
 pub fn available_cpus() -> Vec<usize> {
     match nix::sched::sched_getaffinity(nix::unistd::Pid::from_raw(0)) {
@@ -126,30 +154,7 @@ pub fn spawn(
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)
         .stderr(log);
-    let parent = std::process::id();
-    let mut set = nix::sched::CpuSet::new();
-    for &cpu in cpus {
-        let _ = set.set(cpu);
-    }
-    let pin = !cpus.is_empty();
-    // SAFETY: only async-signal-safe calls between fork and exec (setpgid, prctl, getppid,
-    // sched_setaffinity, _exit).
-    unsafe {
-        command.pre_exec(move || {
-            // Own process group: signals to the orchestrator's group do not reach workers, and
-            // the orchestrator can stop a worker with everything it started.
-            libc::setpgid(0, 0);
-            // Die with the orchestrator.
-            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-            if libc::getppid() as u32 != parent {
-                libc::_exit(1);
-            }
-            if pin {
-                let _ = nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set);
-            }
-            Ok(())
-        });
-    }
+    bind_to_parent(&mut command, cpus);
     let child = command.spawn()?;
     let pid = child.id();
     let to_loop = to_loop.clone();

@@ -1,0 +1,741 @@
+//! `dflash-orch eval`: a drafter's served acceptance, measured by greedy speculative decoding as
+//! DFlash serves it (the target's hidden states feed the drafter, the drafter fills a block in
+//! one pass, one target pass verifies it), against plain greedy decoding by the target.
+//!
+//! Everything is checked here before a worker starts: the target directory, the drafter
+//! checkpoint against the target (layer ids, hidden size, vocabulary, mask token) and every
+//! prompt (tokens inside the vocabulary, prompt plus new tokens inside the target's context). One
+//! `dflash-worker --eval` process decodes, pinned and dying with this one, and prints a line per
+//! prompt; [`summarize`] turns those lines into τ, the histogram, the speedup and the lossless
+//! check.
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use clap::Args;
+use dflash_common::dflash::{Precision, Qwen3Config};
+use dflash_common::eval::{DraftConfig, EVAL_VERSION, EvalRequest, PromptResult};
+use serde::Serialize;
+
+use crate::cli::CliError;
+use crate::ingest::chat::{ChatEncoder, Template, load_tokenizer, parse_conversation};
+use crate::ingest::jsonl::parse_pretokenized;
+use crate::options::DtypeChoice;
+
+const AFTER_HELP: &str = "\
+τ (tau) is the acceptance length as z-lab's DFlash benchmark defines it: for each prompt, the mean \
+number of tokens one verify step gains (accepted draft tokens + 1; the token of the prefill pass is \
+not counted), then the mean over prompts. The pooled mean over all verify steps is shown beside it \
+(it weighs long outputs more and is often lower). Speedup is the time per generated token of plain \
+greedy decoding divided by that of speculative decoding, both after the prefill, on the same \
+device. Lossless means every speculative output equals plain greedy decoding token for token.
+
+Prompts: JSON lines, each {\"input_ids\": [...]} or a conversation ({\"conversations\": [...]} or \
+{\"messages\": [...]}), rendered with --chat-template and the target's tokenizer.json up to the \
+assistant's reply (trailing assistant turns dropped).";
+
+/// Evaluate a drafter by speculative decoding: τ, speedup, lossless.
+#[derive(Debug, Clone, Args)]
+#[command(after_help = AFTER_HELP)]
+pub struct EvalArgs {
+    /// The target's Hugging Face directory (config.json, safetensors, tokenizer.json).
+    #[arg(long, value_name = "DIR")]
+    pub target_model: PathBuf,
+
+    /// The drafter: a checkpoint directory (config.json + model.safetensors), or a run's
+    /// checkpoint directory or run directory (its latest checkpoint).
+    #[arg(long, value_name = "DIR")]
+    pub drafter: PathBuf,
+
+    /// The prompts (JSON lines; see below).
+    #[arg(long, value_name = "FILE")]
+    pub prompts: PathBuf,
+
+    /// New tokens per prompt at most (the first, from the prefill, included).
+    #[arg(long, value_name = "N", default_value_t = 256,
+          value_parser = clap::value_parser!(u32).range(1..=1_048_576))]
+    pub max_new_tokens: u32,
+
+    /// Tokens drafted and verified per step [default: the drafter's block_size].
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(2..=1024))]
+    pub block_size: Option<u32>,
+
+    /// Generation stops after any of these tokens [default: the target's eos_token_id, from
+    /// generation_config.json or config.json].
+    #[arg(
+        long,
+        value_name = "IDS",
+        value_delimiter = ',',
+        conflicts_with = "ignore_eos"
+    )]
+    pub stop_token_ids: Option<Vec<u32>>,
+
+    /// Never stop early: every prompt generates --max-new-tokens tokens.
+    #[arg(long)]
+    pub ignore_eos: bool,
+
+    /// Chat template of conversation prompts: chatml or llama3.
+    #[arg(long, value_name = "NAME", default_value = "chatml")]
+    pub chat_template: Template,
+
+    /// tokenizer.json for conversation prompts [default: the target's].
+    #[arg(long, value_name = "FILE")]
+    pub tokenizer: Option<PathBuf>,
+
+    /// Evaluate the first N prompts only.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub limit: Option<u32>,
+
+    /// The GPU to decode on [default: the CPU].
+    #[arg(long, value_name = "ID")]
+    pub gpu: Option<u32>,
+
+    /// Weights and activations: auto (bf16 on a GPU, f32 on the CPU), f32 or bf16.
+    #[arg(long, value_name = "TYPE", default_value = "auto", value_parser = crate::options::dtype_choice())]
+    pub dtype: DtypeChoice,
+
+    /// Print one JSON object on stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// One prompt's figures.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PromptSummary {
+    /// Line of the prompts file.
+    pub line: usize,
+    pub prompt_tokens: usize,
+    pub output_ids: Vec<u32>,
+    /// Mean tokens gained per verify step (0 when the prefill's token ended the output).
+    pub tau: f64,
+    pub steps: usize,
+    /// Equal to plain greedy decoding.
+    pub lossless: bool,
+}
+
+/// What `eval` reports.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct EvalSummary {
+    pub prompts: usize,
+    pub block_size: usize,
+    pub max_new_tokens: usize,
+    pub device: String,
+    pub dtype: Precision,
+    /// Mean over prompts of each prompt's mean tokens per verify step.
+    pub tau: f64,
+    /// Mean over all verify steps of all prompts.
+    pub pooled_tau: f64,
+    /// Share of verify steps that gained 1, 2, ..., block_size tokens.
+    pub histogram: Vec<f64>,
+    /// Tokens generated by speculative decoding, all prompts.
+    pub tokens: usize,
+    /// Seconds per generated token after the prefill, mean over prompts.
+    pub baseline_seconds_per_token: f64,
+    pub speculative_seconds_per_token: f64,
+    /// Baseline over speculative time per token.
+    pub speedup: f64,
+    /// Every output equals plain greedy decoding.
+    pub lossless: bool,
+    #[serde(rename = "per_prompt")]
+    pub per_prompt: Vec<PromptSummary>,
+}
+
+/// τ, the histogram, the speedup and the lossless check of the worker's results (in prompt
+/// order; `lines[i]` and `lengths[i]` are prompt i's line and length).
+pub fn summarize(
+    results: &[PromptResult],
+    lines: &[usize],
+    lengths: &[usize],
+    block_size: usize,
+) -> (f64, f64, Vec<f64>, f64, f64, bool, Vec<PromptSummary>) {
+    let mean = |v: &[f64]| {
+        if v.is_empty() {
+            0.0
+        } else {
+            v.iter().sum::<f64>() / v.len() as f64
+        }
+    };
+    let mut histogram = vec![0u64; block_size];
+    let mut per_prompt = Vec::with_capacity(results.len());
+    let mut taus = Vec::new();
+    let (mut spec_tpot, mut base_tpot) = (Vec::new(), Vec::new());
+    let mut steps_all = 0u64;
+    let mut gained_all = 0u64;
+    for r in results {
+        for &a in &r.acceptance {
+            let k = (a as usize).clamp(1, block_size);
+            histogram[k - 1] += 1;
+            gained_all += u64::from(a);
+        }
+        steps_all += r.acceptance.len() as u64;
+        let steps = r.acceptance.len();
+        let tau = if steps == 0 {
+            0.0
+        } else {
+            r.acceptance.iter().map(|&a| f64::from(a)).sum::<f64>() / steps as f64
+        };
+        if steps > 0 {
+            taus.push(tau);
+        }
+        let tokens = r.output_ids.len().max(1) as f64;
+        spec_tpot.push(r.speculative_seconds / tokens);
+        if let Some(s) = r.baseline_seconds {
+            base_tpot.push(s / tokens);
+        }
+        per_prompt.push(PromptSummary {
+            line: lines.get(r.prompt).copied().unwrap_or(0),
+            prompt_tokens: lengths.get(r.prompt).copied().unwrap_or(0),
+            output_ids: r.output_ids.clone(),
+            tau,
+            steps,
+            lossless: r.baseline_ids.as_ref() == Some(&r.output_ids),
+        });
+    }
+    let pooled = if steps_all == 0 {
+        0.0
+    } else {
+        gained_all as f64 / steps_all as f64
+    };
+    let histogram = histogram
+        .iter()
+        .map(|&n| n as f64 / steps_all.max(1) as f64)
+        .collect();
+    let lossless = per_prompt.iter().all(|p| p.lossless);
+    (
+        mean(&taus),
+        pooled,
+        histogram,
+        mean(&base_tpot),
+        mean(&spec_tpot),
+        lossless,
+        per_prompt,
+    )
+}
+
+fn invalid(message: impl Into<String>) -> CliError {
+    CliError::Invalid(message.into())
+}
+
+/// The checkpoint directory `path` names: itself, or what its `latest` (or its `checkpoints/`'s
+/// `latest`) points to.
+pub fn resolve_drafter(path: &Path) -> Result<PathBuf, String> {
+    if path.join("config.json").is_file() {
+        return Ok(path.to_path_buf());
+    }
+    for root in [path.to_path_buf(), path.join("checkpoints")] {
+        if let Ok(name) = std::fs::read_to_string(root.join("latest")) {
+            let dir = root.join(name.trim());
+            if dir.join("config.json").is_file() {
+                return Ok(dir);
+            }
+        }
+    }
+    Err(format!(
+        "--drafter {}: no checkpoint there (neither config.json nor a `latest` pointer)",
+        path.display()
+    ))
+}
+
+/// The target's end-of-sequence tokens: `eos_token_id` (a number or a list) of
+/// generation_config.json, else of config.json; none when neither has one.
+pub fn eos_tokens(dir: &Path) -> Result<Vec<u32>, String> {
+    for name in ["generation_config.json", "config.json"] {
+        let path = dir.join(name);
+        let Ok(text) = std::fs::read(&path) else {
+            continue;
+        };
+        let value: serde_json::Value = serde_json::from_slice(&text)
+            .map_err(|e| format!("{}: not JSON: {e}", path.display()))?;
+        let bad = || {
+            format!(
+                "{}: eos_token_id is not a token id or a list of them",
+                path.display()
+            )
+        };
+        let as_id = |v: &serde_json::Value| {
+            v.as_u64()
+                .and_then(|n| u32::try_from(n).ok())
+                .ok_or_else(bad)
+        };
+        match value.get("eos_token_id") {
+            None | Some(serde_json::Value::Null) => continue,
+            Some(serde_json::Value::Array(ids)) => {
+                return ids.iter().map(as_id).collect();
+            }
+            Some(v) => return Ok(vec![as_id(v)?]),
+        }
+    }
+    Ok(Vec::new())
+}
+
+/// The prompts of `path`, with their line numbers: token ids, or conversations encoded with
+/// the template (the tokenizer loaded on the first conversation).
+pub fn read_prompts(
+    path: &Path,
+    template: Template,
+    tokenizer: &Path,
+    limit: Option<usize>,
+) -> Result<Vec<(usize, Vec<u32>)>, String> {
+    let text = std::fs::read(path).map_err(|e| format!("{}: cannot read: {e}", path.display()))?;
+    let mut encoder: Option<ChatEncoder> = None;
+    let mut prompts = Vec::new();
+    for (i, line) in text.split(|&b| b == b'\n').enumerate() {
+        if limit.is_some_and(|n| prompts.len() >= n) {
+            break;
+        }
+        let line_no = i + 1;
+        let trimmed = line.trim_ascii();
+        if trimmed.is_empty() {
+            continue;
+        }
+        let at = |why: String| format!("{}:{line_no}: {why}", path.display());
+        let value: serde_json::Value =
+            serde_json::from_slice(trimmed).map_err(|e| at(format!("not JSON: {e}")))?;
+        let ids = if value.get("input_ids").is_some() {
+            parse_pretokenized(trimmed)
+                .map_err(|(_, why)| at(why))?
+                .input_ids
+        } else if value.get("conversations").is_some() || value.get("messages").is_some() {
+            let turns = parse_conversation(trimmed).map_err(|(_, why)| at(why))?;
+            if encoder.is_none() {
+                let tok = load_tokenizer(tokenizer)?;
+                encoder = Some(ChatEncoder::new(tok, tokenizer, template)?);
+            }
+            let turns: Vec<_> = turns.iter().map(|(r, t)| (*r, t.as_str())).collect();
+            encoder
+                .as_ref()
+                .expect("loaded above")
+                .encode_prompt(&turns)
+                .map_err(at)?
+        } else {
+            return Err(at(
+                "neither input_ids nor a conversation (conversations or messages)".into(),
+            ));
+        };
+        if ids.is_empty() {
+            return Err(at("the prompt has no tokens".into()));
+        }
+        prompts.push((line_no, ids));
+    }
+    if prompts.is_empty() {
+        return Err(format!("{}: no prompts", path.display()));
+    }
+    Ok(prompts)
+}
+
+/// Checks every prompt against the target: token ids inside the vocabulary, prompt plus new
+/// tokens inside its context (`max_position_embeddings`).
+pub fn check_prompts(
+    prompts: &[(usize, Vec<u32>)],
+    path: &Path,
+    target: &Qwen3Config,
+    max_new_tokens: usize,
+) -> Result<(), String> {
+    for (line, ids) in prompts {
+        let at = |why: String| format!("{}:{line}: {why}", path.display());
+        if let Some(bad) = ids.iter().find(|&&t| t as usize >= target.vocab_size) {
+            return Err(at(format!(
+                "token id {bad} is outside the target's vocabulary (0..{})",
+                target.vocab_size
+            )));
+        }
+        if let Some(context) = target.max_position_embeddings
+            && ids.len() + max_new_tokens > context
+        {
+            return Err(at(format!(
+                "{} prompt tokens plus --max-new-tokens {max_new_tokens} exceed the target's context of {context} tokens (max_position_embeddings)",
+                ids.len()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Runs `dflash-worker --eval` on `request` and collects its lines; `progress` sees each.
+pub fn run_worker(
+    request: &EvalRequest,
+    gpu: Option<u32>,
+    mut progress: impl FnMut(&PromptResult),
+) -> Result<Vec<PromptResult>, CliError> {
+    let file = tempfile_path();
+    std::fs::write(
+        &file,
+        serde_json::to_vec(request).map_err(|e| CliError::Failed(e.to_string()))?,
+    )
+    .map_err(|e| CliError::io(format!("cannot write {}", file.display()), e))?;
+    let _remove = RemoveOnDrop(file.clone());
+    let binary = crate::runtime::workers::worker_binary();
+    let mut command = Command::new(&binary);
+    command
+        .arg("--eval")
+        .arg(&file)
+        .env(
+            "CUDA_VISIBLE_DEVICES",
+            gpu.map(|g| g.to_string()).unwrap_or_default(),
+        )
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    crate::runtime::workers::bind_to_parent(&mut command, &[]);
+    let mut child = command
+        .spawn()
+        .map_err(|e| CliError::io(format!("cannot start {}", binary.display()), e))?;
+    let mut stderr = child.stderr.take().expect("piped");
+    let errors = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = stderr.read_to_string(&mut text);
+        text
+    });
+    let mut results = Vec::with_capacity(request.prompts.len());
+    let stdout = BufReader::new(child.stdout.take().expect("piped"));
+    for line in stdout.lines() {
+        let line = line.map_err(|e| CliError::io("cannot read the eval worker's output", e))?;
+        let result: PromptResult = serde_json::from_str(&line)
+            .map_err(|e| CliError::Failed(format!("the eval worker printed {line:?}: {e}")))?;
+        if result.prompt != results.len() {
+            return Err(CliError::Failed(format!(
+                "the eval worker answered prompt {} where {} was due",
+                result.prompt,
+                results.len()
+            )));
+        }
+        progress(&result);
+        results.push(result);
+    }
+    let status = child
+        .wait()
+        .map_err(|e| CliError::io("cannot wait for the eval worker", e))?;
+    let errors = errors.join().unwrap_or_default();
+    if !status.success() || results.len() != request.prompts.len() {
+        let last = errors
+            .lines()
+            .rev()
+            .find(|l| !l.trim().is_empty())
+            .unwrap_or("")
+            .trim_start_matches("error: ");
+        return Err(CliError::Failed(format!(
+            "the eval worker failed ({}): {last}",
+            crate::runtime::workers::exit_reason(status)
+        )));
+    }
+    Ok(results)
+}
+
+fn tempfile_path() -> PathBuf {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    std::env::temp_dir().join(format!(
+        "dflash-eval-{}-{}.json",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    ))
+}
+
+struct RemoveOnDrop(PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// Everything `eval` checks before it starts a worker, and the request it hands over.
+pub struct Prepared {
+    pub request: EvalRequest,
+    pub lines: Vec<usize>,
+}
+
+/// Validates the arguments and inputs into the worker's request.
+pub fn prepare(args: &EvalArgs) -> Result<Prepared, CliError> {
+    let target = dflash_common::dflash::read_config(&args.target_model)
+        .map_err(|e| invalid(format!("--target-model {e}")))?;
+    dflash_common::dflash::check_weights(&args.target_model, &target, target.num_hidden_layers)
+        .map_err(|e| invalid(format!("--target-model {e}")))?;
+    let drafter = resolve_drafter(&args.drafter).map_err(invalid)?;
+    let draft = DraftConfig::read(&drafter).map_err(|e| invalid(format!("--drafter {e}")))?;
+    draft
+        .check_target(&target)
+        .map_err(|e| invalid(format!("--drafter {}: {e}", drafter.display())))?;
+    if !drafter.join("model.safetensors").is_file() {
+        return Err(invalid(format!(
+            "--drafter {}: has no model.safetensors",
+            drafter.display()
+        )));
+    }
+    let tokenizer = args
+        .tokenizer
+        .clone()
+        .unwrap_or_else(|| args.target_model.join("tokenizer.json"));
+    let max_new = args.max_new_tokens as usize;
+    let prompts = read_prompts(
+        &args.prompts,
+        args.chat_template,
+        &tokenizer,
+        args.limit.map(|n| n as usize),
+    )
+    .map_err(invalid)?;
+    check_prompts(&prompts, &args.prompts, &target, max_new).map_err(invalid)?;
+    let stop_token_ids = if args.ignore_eos {
+        Vec::new()
+    } else if let Some(ids) = &args.stop_token_ids {
+        ids.clone()
+    } else {
+        eos_tokens(&args.target_model).map_err(invalid)?
+    };
+    if let Some(bad) = stop_token_ids
+        .iter()
+        .find(|&&t| t as usize >= target.vocab_size)
+    {
+        return Err(invalid(format!(
+            "--stop-token-ids: {bad} is outside the target's vocabulary (0..{})",
+            target.vocab_size
+        )));
+    }
+    let dtype = args.dtype.resolve(args.gpu.is_some());
+    let (lines, prompts): (Vec<usize>, Vec<Vec<u32>>) = prompts.into_iter().unzip();
+    Ok(Prepared {
+        request: EvalRequest {
+            version: EVAL_VERSION,
+            target_model: args.target_model.clone(),
+            drafter,
+            block_size: args.block_size.map_or(draft.block_size, |b| b as usize),
+            prompts,
+            max_new_tokens: max_new,
+            stop_token_ids,
+            dtype,
+            baseline: true,
+        },
+        lines,
+    })
+}
+
+/// Decodes the prepared prompts and summarises them.
+pub fn evaluate(
+    prepared: &Prepared,
+    gpu: Option<u32>,
+    quiet: bool,
+) -> Result<EvalSummary, CliError> {
+    let req = &prepared.request;
+    let bar = indicatif::ProgressBar::with_draw_target(
+        Some(req.prompts.len() as u64),
+        if quiet {
+            indicatif::ProgressDrawTarget::hidden()
+        } else {
+            indicatif::ProgressDrawTarget::stderr()
+        },
+    );
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{spinner} eval [{elapsed_precise}] {wide_bar} {pos}/{len} prompts (eta {eta}) {msg}",
+        )
+        .expect("valid template"),
+    );
+    let mut gained = (0u64, 0u64);
+    let results = run_worker(req, gpu, |r| {
+        gained.0 += r.acceptance.iter().map(|&a| u64::from(a)).sum::<u64>();
+        gained.1 += r.acceptance.len() as u64;
+        bar.set_message(format!(
+            "pooled τ {:.2}",
+            gained.0 as f64 / gained.1.max(1) as f64
+        ));
+        bar.inc(1);
+    })?;
+    bar.finish_and_clear();
+    let lengths: Vec<usize> = req.prompts.iter().map(Vec::len).collect();
+    let (tau, pooled_tau, histogram, base, spec, lossless, per_prompt) =
+        summarize(&results, &prepared.lines, &lengths, req.block_size);
+    Ok(EvalSummary {
+        prompts: results.len(),
+        block_size: req.block_size,
+        max_new_tokens: req.max_new_tokens,
+        device: gpu.map_or_else(|| "cpu".to_owned(), |g| format!("gpu:{g}")),
+        dtype: req.dtype,
+        tau,
+        pooled_tau,
+        histogram,
+        tokens: per_prompt.iter().map(|p| p.output_ids.len()).sum(),
+        baseline_seconds_per_token: base,
+        speculative_seconds_per_token: spec,
+        speedup: if spec > 0.0 { base / spec } else { 0.0 },
+        lossless,
+        per_prompt,
+    })
+}
+
+/// The summary as a person reads it.
+pub fn render(s: &EvalSummary) -> String {
+    let mut out = format!(
+        "eval: {} prompts, up to {} new tokens each, block {}, {} ({})\n",
+        s.prompts, s.max_new_tokens, s.block_size, s.device, s.dtype
+    );
+    out.push_str(&format!(
+        "  τ (tokens per verify step, mean over prompts): {:.2}   pooled over all steps: {:.2}\n",
+        s.tau, s.pooled_tau
+    ));
+    let bars: Vec<String> = s
+        .histogram
+        .iter()
+        .enumerate()
+        .filter(|(_, share)| **share > 0.0)
+        .map(|(k, share)| format!("{}: {:.1}%", k + 1, share * 100.0))
+        .collect();
+    out.push_str(&format!(
+        "  tokens per step:  {}\n",
+        if bars.is_empty() {
+            "-".to_owned()
+        } else {
+            bars.join("  ")
+        }
+    ));
+    out.push_str(&format!(
+        "  time per token:   target alone {:.2} ms, speculative {:.2} ms: speedup {:.2}×\n",
+        s.baseline_seconds_per_token * 1e3,
+        s.speculative_seconds_per_token * 1e3,
+        s.speedup
+    ));
+    out.push_str(&format!("  tokens generated: {}\n", s.tokens));
+    let differ: Vec<String> = s
+        .per_prompt
+        .iter()
+        .filter(|p| !p.lossless)
+        .map(|p| p.line.to_string())
+        .collect();
+    out.push_str(&if differ.is_empty() {
+        "  lossless: yes, every output equals plain greedy decoding\n".to_owned()
+    } else {
+        format!(
+            "  lossless: NO, the outputs of prompt lines {} differ from plain greedy decoding\n",
+            differ.join(", ")
+        )
+    });
+    out
+}
+
+pub fn run(args: EvalArgs) -> Result<(), CliError> {
+    let prepared = prepare(&args)?;
+    let summary = evaluate(&prepared, args.gpu, args.json)?;
+    crate::cli::print_result(args.json, &summary, || render(&summary))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn result(prompt: usize, acceptance: Vec<u32>, same: bool) -> PromptResult {
+        let n: u32 = acceptance.iter().sum::<u32>() + 1;
+        let output: Vec<u32> = (0..n).collect();
+        PromptResult {
+            prompt,
+            baseline_ids: Some(if same {
+                output.clone()
+            } else {
+                vec![9; n as usize]
+            }),
+            output_ids: output,
+            acceptance,
+            speculative_seconds: f64::from(n) * 0.01,
+            baseline_seconds: Some(f64::from(n) * 0.03),
+        }
+    }
+
+    /// τ is the mean over prompts of each prompt's mean gain per step, not the pooled mean.
+    #[test]
+    fn tau_is_the_mean_of_the_per_prompt_means() {
+        // Prompt 0: steps gaining 4, 4, 1 (mean 3); prompt 1: 1, 1, 1, 1, 1, 1 (mean 1).
+        let results = vec![result(0, vec![4, 4, 1], true), result(1, vec![1; 6], true)];
+        let (tau, pooled, hist, base, spec, lossless, per) =
+            summarize(&results, &[3, 7], &[10, 20], 4);
+        assert_eq!(tau, 2.0);
+        assert_eq!(pooled, 15.0 / 9.0);
+        assert_eq!(hist, vec![7.0 / 9.0, 0.0, 0.0, 2.0 / 9.0]);
+        assert!((base / spec - 3.0).abs() < 1e-12);
+        assert!(lossless);
+        assert_eq!(per[0].line, 3);
+        assert_eq!(
+            (per[1].tau, per[1].steps, per[1].prompt_tokens),
+            (1.0, 6, 20)
+        );
+        // An output that differs from greedy decoding is named.
+        let results = vec![result(0, vec![2], true), result(1, vec![3], false)];
+        let (.., lossless, per) = summarize(&results, &[1, 2], &[1, 1], 4);
+        assert!(!lossless);
+        assert!(per[0].lossless && !per[1].lossless);
+        // A prompt whose first token stopped it has no steps and no τ of its own.
+        let results = vec![result(0, vec![], true), result(1, vec![3, 1], true)];
+        let (tau, pooled, ..) = summarize(&results, &[1, 2], &[1, 1], 4);
+        assert_eq!((tau, pooled), (2.0, 2.0));
+    }
+
+    #[test]
+    fn bad_prompt_files_name_the_line() {
+        let dir = std::env::temp_dir().join(format!("dflash-eval-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("prompts.jsonl");
+        let tok = dir.join("missing-tokenizer.json");
+        for (text, want) in [
+            ("{\"input_ids\": [1, 2]}\nnot json\n", ":2: not JSON"),
+            ("{\"input_ids\": []}\n", ":1: the prompt has no tokens"),
+            ("\n{\"text\": \"hi\"}\n", ":2: neither input_ids"),
+            ("{\"input_ids\": [1, -2]}\n", ":1:"),
+            ("\n\n", "no prompts"),
+            (
+                "{\"conversations\": [{\"role\": \"user\", \"content\": \"hi\"}]}\n",
+                "missing-tokenizer.json",
+            ),
+        ] {
+            std::fs::write(&path, text).unwrap();
+            let err = read_prompts(&path, Template::ChatMl, &tok, None).unwrap_err();
+            assert!(err.contains(want), "{text:?}: {err}");
+        }
+        std::fs::write(&path, "{\"input_ids\": [1]}\n{\"input_ids\": [2, 3]}\n").unwrap();
+        let got = read_prompts(&path, Template::ChatMl, &tok, Some(1)).unwrap();
+        assert_eq!(got, vec![(1, vec![1])]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn prompts_past_the_context_or_the_vocabulary_are_refused() {
+        let target: Qwen3Config = serde_json::from_str(
+            r#"{"architectures": ["Qwen3ForCausalLM"], "vocab_size": 100, "hidden_size": 8,
+            "intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "rms_norm_eps": 1e-6, "max_position_embeddings": 64}"#,
+        )
+        .unwrap();
+        let path = Path::new("p.jsonl");
+        let ok = vec![(1, vec![5; 32])];
+        check_prompts(&ok, path, &target, 32).unwrap();
+        let err = check_prompts(&ok, path, &target, 33).unwrap_err();
+        assert!(
+            err.contains("p.jsonl:1") && err.contains("context of 64"),
+            "{err}"
+        );
+        let err = check_prompts(&[(4, vec![1, 100])], path, &target, 1).unwrap_err();
+        assert!(
+            err.contains("p.jsonl:4") && err.contains("token id 100"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn eos_tokens_come_from_generation_config_then_config() {
+        let dir = std::env::temp_dir().join(format!("dflash-eos-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        assert_eq!(eos_tokens(&dir).unwrap(), Vec::<u32>::new());
+        std::fs::write(dir.join("config.json"), r#"{"eos_token_id": 2}"#).unwrap();
+        assert_eq!(eos_tokens(&dir).unwrap(), vec![2]);
+        std::fs::write(
+            dir.join("generation_config.json"),
+            r#"{"eos_token_id": [7, 9]}"#,
+        )
+        .unwrap();
+        assert_eq!(eos_tokens(&dir).unwrap(), vec![7, 9]);
+        std::fs::write(
+            dir.join("generation_config.json"),
+            r#"{"eos_token_id": -1}"#,
+        )
+        .unwrap();
+        assert!(eos_tokens(&dir).unwrap_err().contains("eos_token_id"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
