@@ -1,6 +1,8 @@
-//! Speculative-decoding evaluation: the drafter checkpoint's `config.json` as serving stacks read
-//! it, and what `dflash-orch eval` hands a worker (`dflash-worker --eval REQUEST.json`) and reads
-//! back (one JSON line per prompt on the worker's stdout).
+//! Decoding by the workers: the drafter checkpoint's `config.json` as serving stacks read it;
+//! what `dflash-orch eval` hands a worker (`dflash-worker --eval REQUEST.json`) and reads back
+//! (one JSON line per prompt on the worker's stdout); and what `dflash-orch generate` hands a
+//! worker (`dflash-worker --generate REQUEST.json`, then one batch of prompts per stdin line,
+//! answered by one stdout line).
 
 use std::path::{Path, PathBuf};
 
@@ -233,6 +235,38 @@ pub struct PromptResult {
     pub baseline_ids: Option<Vec<u32>>,
     /// Seconds of plain decoding after the prefill.
     pub baseline_seconds: Option<f64>,
+}
+
+/// What a generating worker loads and how it decodes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GenerateRequest {
+    pub version: u32,
+    pub target_model: PathBuf,
+    pub dtype: Precision,
+    /// New tokens per prompt at most.
+    pub max_new_tokens: usize,
+    /// Generation stops after any of these tokens (kept in the output).
+    pub stop_token_ids: Vec<u32>,
+    /// 0: greedy; otherwise softmax sampling at this temperature.
+    pub temperature: f64,
+    /// Sampling seed: row r draws from a stream of (seed, r), whatever batch it lands in.
+    pub seed: u64,
+}
+
+/// One batch of prompts (a stdin line of a generating worker).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GenerateJob {
+    pub batch: u64,
+    /// (row of the input, prompt tokens).
+    pub prompts: Vec<(u64, Vec<u32>)>,
+}
+
+/// A batch done (a stdout line of a generating worker): per prompt, in the job's order, the
+/// tokens generated.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GenerateDone {
+    pub batch: u64,
+    pub outputs: Vec<Vec<u32>>,
 }
 
 #[cfg(test)]

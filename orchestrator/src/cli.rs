@@ -57,6 +57,9 @@ pub enum Command {
     /// Measure a drafter's served acceptance (τ) and speedup by greedy speculative decoding with
     /// the target, and check the output equals plain greedy decoding.
     Eval(commands::eval::EvalArgs),
+    /// Regenerate a dataset's responses with the target (training data written by the model
+    /// the drafter will serve), on our workers or an OpenAI-compatible server; resumable.
+    Generate(commands::generate::GenerateArgs),
     /// Train a DFlash drafter end to end on this machine's CPUs: tiny target, generated
     /// conversations, prepare, launch, final figures (a few minutes; no GPU, no downloads).
     Demo(commands::demo::DemoArgs),
@@ -217,6 +220,7 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::InitTiny(args) => commands::init_tiny::run(args),
         Command::Demo(args) => commands::demo::run(args),
         Command::Eval(args) => commands::eval::run(args),
+        Command::Generate(args) => commands::generate::run(args),
         Command::Top(args) => commands::top::run(args),
         Command::Report(args) => commands::report::run(args),
     }

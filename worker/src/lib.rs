@@ -13,6 +13,7 @@
 pub mod checkpoint;
 pub mod dflash;
 pub mod faults;
+pub mod generate;
 pub mod model;
 pub mod rng;
 pub mod speculative;
@@ -78,6 +79,11 @@ pub struct WorkerArgs {
     /// request's prompts on this worker's device and print one JSON line per prompt.
     #[arg(long, value_name = "REQUEST")]
     pub eval: Option<PathBuf>,
+
+    /// Generate with the target (for `dflash-orch generate`): load the request's model, then
+    /// answer each batch of prompts read from stdin with one JSON line on stdout.
+    #[arg(long, value_name = "REQUEST", conflicts_with = "eval")]
+    pub generate: Option<PathBuf>,
 
     /// Synthetic stage: microseconds spent per token of a forward pass.
     #[arg(long, value_name = "US", default_value_t = 0.0)]
@@ -170,6 +176,9 @@ pub fn run(args: WorkerArgs) -> Result<(), WorkerError> {
     }
     if let Some(request) = &args.eval {
         return speculative::run_eval(request).map_err(WorkerError::Stage);
+    }
+    if let Some(request) = &args.generate {
+        return generate::run_generate(request).map_err(WorkerError::Stage);
     }
     let name = args.ipc.clone().ok_or(WorkerError::NoOrchestrator)?;
     let role = match args.role.as_str() {

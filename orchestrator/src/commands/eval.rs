@@ -324,32 +324,46 @@ pub fn read_prompts(
     Ok(prompts)
 }
 
-/// Checks every prompt against the target: token ids inside the vocabulary, prompt plus new
-/// tokens inside its context (`max_position_embeddings`).
+/// Checks a prompt against the target: token ids inside the vocabulary, prompt plus new tokens
+/// inside its context (`max_position_embeddings`); `at` names it in the error.
+pub fn check_prompt(
+    at: &str,
+    ids: &[u32],
+    target: &Qwen3Config,
+    max_new_tokens: usize,
+) -> Result<(), String> {
+    if let Some(bad) = ids.iter().find(|&&t| t as usize >= target.vocab_size) {
+        return Err(format!(
+            "{at}: token id {bad} is outside the target's vocabulary (0..{})",
+            target.vocab_size
+        ));
+    }
+    if let Some(context) = target.max_position_embeddings
+        && ids.len() + max_new_tokens > context
+    {
+        return Err(format!(
+            "{at}: {} prompt tokens plus --max-new-tokens {max_new_tokens} exceed the target's context of {context} tokens (max_position_embeddings)",
+            ids.len()
+        ));
+    }
+    Ok(())
+}
+
+/// [`check_prompt`] for every prompt of a file, named by its line.
 pub fn check_prompts(
     prompts: &[(usize, Vec<u32>)],
     path: &Path,
     target: &Qwen3Config,
     max_new_tokens: usize,
 ) -> Result<(), String> {
-    for (line, ids) in prompts {
-        let at = |why: String| format!("{}:{line}: {why}", path.display());
-        if let Some(bad) = ids.iter().find(|&&t| t as usize >= target.vocab_size) {
-            return Err(at(format!(
-                "token id {bad} is outside the target's vocabulary (0..{})",
-                target.vocab_size
-            )));
-        }
-        if let Some(context) = target.max_position_embeddings
-            && ids.len() + max_new_tokens > context
-        {
-            return Err(at(format!(
-                "{} prompt tokens plus --max-new-tokens {max_new_tokens} exceed the target's context of {context} tokens (max_position_embeddings)",
-                ids.len()
-            )));
-        }
-    }
-    Ok(())
+    prompts.iter().try_for_each(|(line, ids)| {
+        check_prompt(
+            &format!("{}:{line}", path.display()),
+            ids,
+            target,
+            max_new_tokens,
+        )
+    })
 }
 
 /// Runs `dflash-worker --eval` on `request` and collects its lines; `progress` sees each.

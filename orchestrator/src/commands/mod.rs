@@ -3,6 +3,7 @@
 pub mod clean;
 pub mod demo;
 pub mod eval;
+pub mod generate;
 pub mod init_tiny;
 pub mod inspect;
 pub mod launch;

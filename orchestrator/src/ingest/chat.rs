@@ -78,6 +78,14 @@ impl Template {
 }
 
 impl Template {
+    /// The token that ends a turn.
+    pub fn end_token(self) -> &'static str {
+        match self {
+            Template::ChatMl => "<|im_end|>",
+            Template::Llama3 => "<|eot_id|>",
+        }
+    }
+
     /// The text that opens the assistant's turn: what a prompt ends with to ask for a reply.
     pub fn assistant_header(self) -> &'static str {
         match self {
@@ -108,7 +116,7 @@ pub enum Role {
 }
 
 impl Role {
-    fn name(self) -> &'static str {
+    pub fn name(self) -> &'static str {
         match self {
             Role::System => "system",
             Role::User => "user",
@@ -181,6 +189,15 @@ impl ChatEncoder {
 }
 
 impl ChatEncoder {
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    /// The id of the token that ends the template's turns.
+    pub fn end_token_id(&self) -> Option<u32> {
+        self.tokenizer.token_to_id(self.template.end_token())
+    }
+
     /// Token ids of a prompt asking for the assistant's reply after `turns` (trailing
     /// assistant turns dropped: they are what the reply replaces).
     pub fn encode_prompt(&self, turns: &[(Role, &str)]) -> Result<Vec<u32>, String> {

@@ -1,0 +1,631 @@
+//! `dflash-orch generate`: training data written by the target, as the DFlash recipe asks.
+//!
+//! Every input row becomes a prompt: a conversation up to its last assistant reply (which the
+//! target writes anew), or the tokens of a pre-tokenized row before its first loss token. The
+//! output is JSON lines `prepare` reads: `input_ids` (prompt and response), `loss_mask` (the
+//! response only), `source` (the input row) and, with a tokenizer, the `response` text.
+//!
+//! Everything is read and checked before the first worker starts. Rows are decoded in fixed
+//! batches of `--batch-size` input rows by our workers (one per `--gpus` device) or sent to an
+//! OpenAI-compatible `--server`, and committed in input order a batch at a time (see
+//! [`output`]), so a killed run resumed with `--resume` redoes at most the batches in flight and
+//! greedy decoding gives the same file as an uninterrupted run.
+
+pub mod output;
+pub mod pool;
+pub mod server;
+
+use std::collections::VecDeque;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use dflash_common::eval::{EVAL_VERSION, GenerateJob, GenerateRequest};
+use serde::Serialize;
+use tokenizers::Tokenizer;
+
+use crate::cli::CliError;
+use crate::ingest::chat::{ChatEncoder, Role, Template, load_tokenizer, parse_conversation};
+use crate::ingest::{self, Format, Location, RawSample, Reason, Sink, Stop};
+use crate::options::DtypeChoice;
+use crate::runtime::spec::{Device, GpuSpec};
+
+const AFTER_HELP: &str = "\
+Inputs are what `prepare` reads: JSON lines of conversations (the last assistant reply is written \
+anew by the target; the turns before it are the prompt) or pre-tokenized rows (the tokens before \
+the first loss token are the prompt), Parquet files or directories, save_to_disk directories, \
+Arrow streams.
+
+The output rows are what `prepare` reads (loss on the response only). While it runs, OUTPUT.partial \
+and OUTPUT.partial.json hold the committed batches; a killed or interrupted generate continues \
+with --resume (the same options), and OUTPUT appears only when every row is in, with \
+OUTPUT.meta.json saying what produced it.";
+
+/// Regenerate the responses of a dataset with the target.
+#[derive(Debug, Clone, Args)]
+#[command(after_help = AFTER_HELP)]
+pub struct GenerateArgs {
+    /// The target's Hugging Face directory (its tokenizer.json renders conversations).
+    #[arg(long, value_name = "DIR")]
+    pub target_model: PathBuf,
+
+    /// Input files or directories (repeatable).
+    #[arg(long = "input", value_name = "PATH", required = true)]
+    pub inputs: Vec<PathBuf>,
+
+    /// Input format [default: from the extension and the first record].
+    #[arg(long, value_name = "FORMAT")]
+    pub format: Option<Format>,
+
+    /// The output file (JSON lines).
+    #[arg(long, value_name = "FILE")]
+    pub output: PathBuf,
+
+    /// New tokens per response at most.
+    #[arg(long, value_name = "N", default_value_t = 2048,
+          value_parser = clap::value_parser!(u32).range(1..=1_048_576))]
+    pub max_new_tokens: u32,
+
+    /// 0: greedy decoding; above: sampling at this temperature.
+    #[arg(long, value_name = "T", default_value_t = 0.0)]
+    pub temperature: f64,
+
+    /// Sampling seed (each row draws from its own stream of it).
+    #[arg(long, value_name = "S", default_value_t = 0)]
+    pub seed: u64,
+
+    /// Workers: GPU ids (0-7, 0,2,5, all) or cpu:N.
+    #[arg(long, value_name = "LIST", default_value = "cpu:1")]
+    pub gpus: GpuSpec,
+
+    /// Input rows decoded together (and committed together).
+    #[arg(long, value_name = "N", default_value_t = 16,
+          value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub batch_size: u32,
+
+    /// Weights and activations: auto (bf16 on GPUs, f32 on CPUs), f32 or bf16.
+    #[arg(long, value_name = "TYPE", default_value = "auto", value_parser = crate::options::dtype_choice())]
+    pub dtype: DtypeChoice,
+
+    /// Generation stops after any of these tokens [default: the target's eos_token_id].
+    #[arg(long, value_name = "IDS", value_delimiter = ',')]
+    pub stop_token_ids: Option<Vec<u32>>,
+
+    /// Chat template of conversation inputs: chatml or llama3.
+    #[arg(long, value_name = "NAME", default_value = "chatml")]
+    pub chat_template: Template,
+
+    /// tokenizer.json [default: the target's].
+    #[arg(long, value_name = "FILE")]
+    pub tokenizer: Option<PathBuf>,
+
+    /// Take the responses from this OpenAI-compatible server (http://HOST:PORT) instead of our
+    /// workers: SGLang or vLLM serving the target.
+    #[arg(long, value_name = "URL")]
+    pub server: Option<String>,
+
+    /// The server's model name [default: the first /v1/models lists].
+    #[arg(long, value_name = "NAME", requires = "server")]
+    pub server_model: Option<String>,
+
+    /// Requests in flight at once with --server.
+    #[arg(long, value_name = "N", default_value_t = 8,
+          value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub concurrency: u32,
+
+    /// Seconds one batch (or one server request) may take before its worker is restarted and
+    /// the batch redone (or the request fails).
+    #[arg(long, value_name = "SECS", default_value_t = 3600,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub job_timeout: u64,
+
+    /// Continue the interrupted generate of this --output.
+    #[arg(long)]
+    pub resume: bool,
+
+    /// Replace an existing --output.
+    #[arg(long)]
+    pub force: bool,
+
+    /// Print one JSON object on stdout at the end.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// One prompt to answer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Item {
+    /// Where it came from (file:line or file row N).
+    pub source: String,
+    pub prompt: Vec<u32>,
+    /// The conversation before the reply (for --server).
+    pub turns: Option<Vec<(Role, String)>>,
+}
+
+/// Collects pre-tokenized rows as prompts: the tokens before the first loss token.
+struct Collector<'a> {
+    items: &'a mut Vec<Item>,
+}
+
+impl Sink for Collector<'_> {
+    fn accept(&mut self, at: &Location, sample: RawSample) -> Result<(), Stop> {
+        let cut = sample
+            .loss_mask
+            .as_ref()
+            .and_then(|m| m.iter().position(|&v| v != 0))
+            .unwrap_or(sample.input_ids.len());
+        let mut prompt = sample.input_ids;
+        prompt.truncate(cut);
+        if prompt.is_empty() {
+            return Err(Stop::Bad {
+                at: at.clone(),
+                reason: Reason::EmptySample,
+                message: "no prompt: the first token already carries loss".into(),
+            });
+        }
+        self.items.push(Item {
+            source: at.to_string(),
+            prompt,
+            turns: None,
+        });
+        Ok(())
+    }
+
+    fn reject(&mut self, at: &Location, reason: Reason, message: String) -> Result<(), Stop> {
+        Err(Stop::Bad {
+            at: at.clone(),
+            reason,
+            message,
+        })
+    }
+
+    fn progress(&mut self, _: u64) {}
+}
+
+/// Reads every input into prompts.
+pub fn read_items(
+    inputs: &[PathBuf],
+    format: Option<Format>,
+    encoder: impl Fn() -> Result<ChatEncoder, String>,
+) -> Result<Vec<Item>, String> {
+    let inputs = crate::commands::prepare::resolve_inputs(inputs, format)?;
+    let mut items = Vec::new();
+    let mut chat: Option<ChatEncoder> = None;
+    for input in &inputs {
+        let stop = |s: Stop| {
+            s.to_string().replace(
+                "; pass --on-bad skip to skip such samples and count them",
+                "",
+            )
+        };
+        let mut sink = Collector { items: &mut items };
+        match input.format {
+            Format::Jsonl => ingest::jsonl::read_pretokenized(&input.path, &mut sink)
+                .map(|_| ())
+                .map_err(stop)?,
+            Format::Parquet => ingest::arrow::read_parquet(&input.path, &mut sink).map_err(stop)?,
+            Format::HfDisk | Format::Arrow => {
+                ingest::arrow::read_arrow_stream(&input.path, &mut sink).map_err(stop)?
+            }
+            Format::Chat => {
+                if chat.is_none() {
+                    chat = Some(encoder()?);
+                }
+                let enc = chat.as_ref().expect("made above");
+                let text = std::fs::read(&input.path)
+                    .map_err(|e| format!("{}: cannot read: {e}", input.path.display()))?;
+                for (i, line) in text.split(|&b| b == b'\n').enumerate() {
+                    let line = line.trim_ascii();
+                    if line.is_empty() {
+                        continue;
+                    }
+                    let at = format!("{}:{}", input.path.display(), i + 1);
+                    let mut turns =
+                        parse_conversation(line).map_err(|(_, why)| format!("{at}: {why}"))?;
+                    // The prompt: everything before the last assistant reply.
+                    let reply = turns.iter().rposition(|(role, _)| *role == Role::Assistant);
+                    turns.truncate(reply.unwrap_or(turns.len()));
+                    if turns.is_empty() {
+                        return Err(format!("{at}: no turn before the assistant's reply"));
+                    }
+                    let borrowed: Vec<(Role, &str)> =
+                        turns.iter().map(|(r, t)| (*r, t.as_str())).collect();
+                    let prompt = enc
+                        .encode_prompt(&borrowed)
+                        .map_err(|e| format!("{at}: {e}"))?;
+                    items.push(Item {
+                        source: at,
+                        prompt,
+                        turns: Some(turns),
+                    });
+                }
+            }
+        }
+    }
+    if items.is_empty() {
+        return Err("the inputs hold no rows".into());
+    }
+    Ok(items)
+}
+
+/// One output row.
+pub fn render_row(item: &Item, response: &[u32], tokenizer: Option<&Tokenizer>) -> String {
+    let mut ids = item.prompt.clone();
+    ids.extend_from_slice(response);
+    let mut mask = vec![0u8; item.prompt.len()];
+    mask.resize(ids.len(), 1);
+    let mut row = serde_json::json!({
+        "input_ids": ids,
+        "loss_mask": mask,
+        "source": item.source,
+    });
+    if let Some(text) = tokenizer.and_then(|t| t.decode(response, false).ok()) {
+        row["response"] = text.into();
+    }
+    row.to_string()
+}
+
+/// What `generate` reports.
+#[derive(Debug, Serialize)]
+pub struct Summary {
+    pub output: String,
+    pub rows: u64,
+    /// Rows that were already committed by the run this one resumed.
+    pub resumed_rows: u64,
+    pub tokens_generated: u64,
+    pub seconds: f64,
+    pub tokens_per_second: f64,
+    pub producer: String,
+}
+
+fn invalid(message: impl Into<String>) -> CliError {
+    CliError::Invalid(message.into())
+}
+
+pub fn run(args: GenerateArgs) -> Result<(), CliError> {
+    // Validation: nothing is written or started before all of it passes.
+    if !(args.temperature >= 0.0 && args.temperature.is_finite()) {
+        return Err(invalid(format!(
+            "--temperature {} must be 0 or positive",
+            args.temperature
+        )));
+    }
+    let target = dflash_common::dflash::read_config(&args.target_model)
+        .map_err(|e| invalid(format!("--target-model {e}")))?;
+    let tokenizer_path = args
+        .tokenizer
+        .clone()
+        .unwrap_or_else(|| args.target_model.join("tokenizer.json"));
+    let template = args.chat_template;
+    let make_encoder = || {
+        let tok = load_tokenizer(&tokenizer_path)?;
+        ChatEncoder::new(tok, &tokenizer_path, template)
+    };
+    let items = read_items(&args.inputs, args.format, make_encoder).map_err(invalid)?;
+    let max_new = args.max_new_tokens as usize;
+    for item in &items {
+        crate::commands::eval::check_prompt(&item.source, &item.prompt, &target, max_new)
+            .map_err(invalid)?;
+    }
+    let tokenizer = if tokenizer_path.is_file() {
+        Some(load_tokenizer(&tokenizer_path).map_err(invalid)?)
+    } else {
+        None
+    };
+    let stop_token_ids = match &args.stop_token_ids {
+        Some(ids) => ids.clone(),
+        None => crate::commands::eval::eos_tokens(&args.target_model).map_err(invalid)?,
+    };
+    let server = match &args.server {
+        Some(url) => Some(
+            server::Server::connect(
+                url,
+                args.server_model.as_deref(),
+                Duration::from_secs(args.job_timeout),
+            )
+            .map_err(invalid)?,
+        ),
+        None => None,
+    };
+    if server.is_some() && tokenizer.is_none() {
+        return Err(invalid(format!(
+            "--server needs the target's tokenizer to turn responses into tokens: {} is missing (pass --tokenizer)",
+            tokenizer_path.display()
+        )));
+    }
+    let devices = if server.is_some() {
+        Vec::new()
+    } else {
+        args.gpus
+            .devices(crate::runtime::gpu_count(&crate::runtime::init_nvml()))
+            .map_err(invalid)?
+    };
+    let gpu = devices.iter().any(|d| matches!(d, Device::Gpu(_)));
+    if !gpu && matches!(args.gpus, GpuSpec::Cpu(_)) {
+        dflash_common::dflash::check_weights(&args.target_model, &target, target.num_hidden_layers)
+            .map_err(|e| invalid(format!("--target-model {e}")))?;
+    }
+    let dtype = args.dtype.resolve(gpu);
+    let batch = args.batch_size as u64;
+    let rows = items.len() as u64;
+    let settings = output::Settings {
+        producer: if server.is_some() { "server" } else { "target" }.into(),
+        target_model: Some(args.target_model.display().to_string()),
+        server: args.server.clone(),
+        server_model: server.as_ref().map(|s| s.model.clone()),
+        inputs: args
+            .inputs
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect(),
+        rows,
+        batch_size: batch,
+        max_new_tokens: max_new as u64,
+        temperature: args.temperature,
+        seed: args.seed,
+        stop_token_ids: stop_token_ids.clone(),
+        dtype: dtype.name().into(),
+    };
+    let paths = output::Paths::of(&args.output);
+    let from =
+        output::starting_point(&paths, &settings, args.resume, args.force).map_err(invalid)?;
+
+    // Side effects from here on.
+    let interrupted = crate::cli::watch_stop_signals();
+    let mut writer = output::Writer::open(&paths, settings.clone(), from)
+        .map_err(|e| CliError::io(format!("cannot write {}", paths.partial.display()), e))?;
+    let resumed_rows = writer.committed().rows;
+    let first = writer.committed().batches;
+    let batches = rows.div_ceil(batch);
+    let bar = indicatif::ProgressBar::with_draw_target(
+        Some(rows),
+        indicatif::ProgressDrawTarget::stderr(),
+    );
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{spinner} generate [{elapsed_precise}] {wide_bar} {pos}/{len} rows (eta {eta}) {msg}",
+        )
+        .expect("valid template"),
+    );
+    bar.set_position(resumed_rows);
+    bar.reset_eta();
+    let started = Instant::now();
+    let mut generated = 0u64;
+    let range = |b: u64| (b * batch) as usize..((b + 1) * batch).min(rows) as usize;
+    let mut commit = |b: u64, outputs: Vec<Vec<u32>>| -> Result<(), String> {
+        let rendered: Vec<String> = items[range(b)]
+            .iter()
+            .zip(&outputs)
+            .map(|(item, out)| render_row(item, out, tokenizer.as_ref()))
+            .collect();
+        writer
+            .commit(&rendered)
+            .map_err(|e| format!("cannot write {}: {e}", paths.partial.display()))?;
+        generated += outputs.iter().map(|o| o.len() as u64).sum::<u64>();
+        bar.set_position(writer.committed().rows);
+        bar.set_message(format!(
+            "{:.0} tok/s",
+            generated as f64 / started.elapsed().as_secs_f64().max(1e-9)
+        ));
+        Ok(())
+    };
+    let complete = match &server {
+        Some(server) => {
+            let encoder = if items.iter().any(|i| i.turns.is_some()) {
+                Some(make_encoder().map_err(invalid)?)
+            } else {
+                None
+            };
+            let ask = |item: &Item| -> Result<Vec<u32>, String> {
+                let tok = tokenizer.as_ref().expect("checked above");
+                let (reply, end) = match &item.turns {
+                    Some(turns) => (
+                        server.chat(turns, max_new, args.temperature, args.seed)?,
+                        encoder.as_ref().and_then(ChatEncoder::end_token_id),
+                    ),
+                    None => (
+                        server.complete(&item.prompt, max_new, args.temperature, args.seed)?,
+                        stop_token_ids.first().copied(),
+                    ),
+                };
+                let mut ids = tok
+                    .encode(reply.text.as_str(), false)
+                    .map_err(|e| format!("{}: tokenizer failed: {e}", item.source))?
+                    .get_ids()
+                    .to_vec();
+                if reply.finished
+                    && let Some(end) = end
+                {
+                    ids.push(end);
+                }
+                Ok(ids)
+            };
+            let mut done = true;
+            for b in first..batches {
+                if interrupted.load(std::sync::atomic::Ordering::SeqCst) {
+                    done = false;
+                    break;
+                }
+                let outputs = ask_all(&items[range(b)], args.concurrency as usize, &ask)
+                    .map_err(CliError::Failed)?;
+                commit(b, outputs).map_err(CliError::Failed)?;
+            }
+            done
+        }
+        None => {
+            let request = GenerateRequest {
+                version: EVAL_VERSION,
+                target_model: args.target_model.clone(),
+                dtype,
+                max_new_tokens: max_new,
+                stop_token_ids: stop_token_ids.clone(),
+                temperature: args.temperature,
+                seed: args.seed,
+            };
+            let request_path = paths.partial.with_extension("request.json");
+            std::fs::write(
+                &request_path,
+                serde_json::to_vec(&request).map_err(|e| CliError::Failed(e.to_string()))?,
+            )
+            .map_err(|e| CliError::io(format!("cannot write {}", request_path.display()), e))?;
+            let result = pool::Pool::start(
+                crate::runtime::workers::worker_binary(),
+                request_path.clone(),
+                &devices,
+                Duration::from_secs(args.job_timeout),
+            )
+            .and_then(|mut pool| {
+                pool.run(
+                    (first..batches).collect::<VecDeque<u64>>(),
+                    |b| GenerateJob {
+                        batch: b,
+                        prompts: items[range(b)]
+                            .iter()
+                            .enumerate()
+                            .map(|(k, item)| (b * batch + k as u64, item.prompt.clone()))
+                            .collect(),
+                    },
+                    &mut commit,
+                    &interrupted,
+                )
+            });
+            let _ = std::fs::remove_file(&request_path);
+            result.map_err(CliError::Failed)?
+        }
+    };
+    bar.finish_and_clear();
+    if !complete {
+        return Err(CliError::Interrupted(format!(
+            "generate stopped after {} of {rows} rows; run it again with --resume to continue",
+            writer.committed().rows
+        )));
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let meta = serde_json::json!({
+        "format": "dflash-generate",
+        "version": 1,
+        "settings": settings,
+        "rows": rows,
+        "produced_by": if args.server.is_some() {
+            format!("server {} (model {})", args.server.as_deref().unwrap_or(""), settings.server_model.as_deref().unwrap_or(""))
+        } else {
+            format!("target {} on {} ({})", args.target_model.display(), args.gpus_label(), dtype)
+        },
+    });
+    writer
+        .finish(&meta)
+        .map_err(|e| CliError::io(format!("cannot finish {}", paths.output.display()), e))?;
+    let summary = Summary {
+        output: args.output.display().to_string(),
+        rows,
+        resumed_rows,
+        tokens_generated: generated,
+        seconds,
+        tokens_per_second: generated as f64 / seconds.max(1e-9),
+        producer: settings.producer,
+    };
+    crate::cli::print_result(args.json, &summary, || {
+        format!(
+            "generate: {} rows to {} ({} resumed), {} tokens generated in {:.1} s ({:.0} tok/s) by the {}\n",
+            summary.rows,
+            summary.output,
+            summary.resumed_rows,
+            summary.tokens_generated,
+            summary.seconds,
+            summary.tokens_per_second,
+            summary.producer
+        )
+    })
+}
+
+impl GenerateArgs {
+    fn gpus_label(&self) -> String {
+        match &self.gpus {
+            GpuSpec::All => "all GPUs".into(),
+            GpuSpec::Cpu(n) => format!("{n} CPU workers"),
+            GpuSpec::Ids(ids) => format!(
+                "GPUs {}",
+                ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
+            ),
+        }
+    }
+}
+
+/// Asks for every item's response, `concurrency` at a time, in item order.
+fn ask_all(
+    items: &[Item],
+    concurrency: usize,
+    ask: &(dyn Fn(&Item) -> Result<Vec<u32>, String> + Sync),
+) -> Result<Vec<Vec<u32>>, String> {
+    let mut out = Vec::with_capacity(items.len());
+    for chunk in items.chunks(concurrency.max(1)) {
+        let answers: Vec<Result<Vec<u32>, String>> = std::thread::scope(|s| {
+            let handles: Vec<_> = chunk
+                .iter()
+                .map(|item| s.spawn(move || ask(item)))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err("a request thread panicked".into()))
+                })
+                .collect()
+        });
+        for a in answers {
+            out.push(a?);
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_carry_loss_on_the_response_only() {
+        let item = Item {
+            source: "in.jsonl:3".into(),
+            prompt: vec![5, 6, 7],
+            turns: None,
+        };
+        let row: serde_json::Value =
+            serde_json::from_str(&render_row(&item, &[8, 2], None)).unwrap();
+        assert_eq!(row["input_ids"], serde_json::json!([5, 6, 7, 8, 2]));
+        assert_eq!(row["loss_mask"], serde_json::json!([0, 0, 0, 1, 1]));
+        assert_eq!(row["source"], "in.jsonl:3");
+        // What prepare reads back.
+        let sample =
+            crate::ingest::jsonl::parse_pretokenized(render_row(&item, &[8], None).as_bytes())
+                .unwrap();
+        assert_eq!(sample.input_ids, vec![5, 6, 7, 8]);
+    }
+
+    #[test]
+    fn pretokenized_prompts_end_before_the_first_loss_token() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("in.jsonl");
+        std::fs::write(
+            &path,
+            "{\"input_ids\": [1, 2, 3, 4], \"loss_mask\": [0, 0, 1, 1]}\n{\"input_ids\": [9, 8]}\n",
+        )
+        .unwrap();
+        let items = read_items(std::slice::from_ref(&path), None, || {
+            Err("no tokenizer".into())
+        })
+        .unwrap();
+        assert_eq!(items[0].prompt, vec![1, 2]);
+        assert_eq!(items[1].prompt, vec![9, 8]);
+        assert!(items[0].source.ends_with("in.jsonl:1"));
+        std::fs::write(&path, "{\"input_ids\": [1, 2], \"loss_mask\": [1, 1]}\n").unwrap();
+        let err = read_items(std::slice::from_ref(&path), None, || Err("x".into())).unwrap_err();
+        assert!(
+            err.contains("in.jsonl:1") && err.contains("no prompt"),
+            "{err}"
+        );
+        std::fs::write(&path, "{\"input_ids\": [1, \"a\"]}\n").unwrap();
+        let err = read_items(&[path], None, || Err("x".into())).unwrap_err();
+        assert!(err.contains("in.jsonl:1"), "{err}");
+    }
+}
