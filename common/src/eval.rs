@@ -218,6 +218,10 @@ pub struct EvalRequest {
     pub dtype: Precision,
     /// Also decode with the target alone (for the speedup and the lossless check).
     pub baseline: bool,
+    /// Evaluate the untrained drafter of the checkpoint's shape, initialised from this seed as a
+    /// run of that seed starts, instead of the checkpoint's weights.
+    #[serde(default)]
+    pub init_seed: Option<u64>,
 }
 
 /// One prompt's outcome, as the worker prints it (one JSON line).

@@ -249,6 +249,17 @@ impl Target<'_> {
 /// `model.safetensors`, any float dtype), every tensor present and of its shape, none unknown;
 /// its forward pass computes in `compute`.
 pub fn load_drafter(dir: &Path, device: &Device, compute: DType) -> Result<Drafter, ModelError> {
+    load_drafter_with(dir, device, compute, None)
+}
+
+/// [`load_drafter`], or with `init_seed` the untrained drafter of the checkpoint's shape, its
+/// weights drawn from that seed as a run of that seed starts (the weights file is not read).
+pub fn load_drafter_with(
+    dir: &Path,
+    device: &Device,
+    compute: DType,
+    init_seed: Option<u64>,
+) -> Result<Drafter, ModelError> {
     let invalid = |path: &Path, reason: String| ModelError::Invalid {
         path: path.to_path_buf(),
         reason,
@@ -268,6 +279,9 @@ pub fn load_drafter(dir: &Path, device: &Device, compute: DType) -> Result<Draft
         target_layer_ids: c.target_layer_ids.clone(),
         vocab: c.vocab_size,
     };
+    if let Some(seed) = init_seed {
+        return Ok(Drafter::new(config, seed, device)?.with_compute(compute));
+    }
     let path = dir.join("model.safetensors");
     let mut tensors = candle_core::safetensors::load(&path, device)
         .map_err(|e| invalid(&path, format!("cannot read the weights: {e}")))?;
@@ -324,7 +338,7 @@ pub fn run_eval(request: &Path) -> Result<(), String> {
     let model = Qwen3::load(&req.target_model, None, &device, dtype).map_err(err)?;
     let (embedding, lm_head) =
         crate::model::qwen3::load_heads(&req.target_model, &device, dtype).map_err(err)?;
-    let drafter = load_drafter(&req.drafter, &device, dtype).map_err(err)?;
+    let drafter = load_drafter_with(&req.drafter, &device, dtype, req.init_seed).map_err(err)?;
     let target = Target {
         model: &model,
         lm_head: &lm_head,

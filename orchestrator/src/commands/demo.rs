@@ -1,10 +1,12 @@
 //! `dflash-orch demo`: the whole job on this machine, no GPU and no downloads. It writes a tiny
-//! target, generates conversations with structure a drafter can learn, prepares them through the
-//! real `prepare`, trains with `launch --stage dflash` on three CPU workers, and reports how loss,
-//! accuracy and acceptance length moved. Every step is the real subcommand, run as a child process,
-//! and printed so it can be run by hand.
+//! target and conversation prompts, has the target write the replies (`generate`: training data
+//! written by the model the drafter will serve), prepares them through the real `prepare`, trains
+//! with `launch --stage dflash` on three CPU workers, and measures served acceptance with `eval`
+//! on prompts held out of training: τ and speedup of the untrained drafter (the run's starting
+//! weights) and of the trained one, by real speculative decoding, with the lossless check. Every
+//! step is the real subcommand, run as a child process, and printed so it can be run by hand.
 
-use std::io::{Read, Write};
+use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -282,6 +284,11 @@ fn step(label: &str, args: &[String], quiet: bool) -> Result<(), CliError> {
     let status = command
         .status()
         .map_err(|e| CliError::io(format!("cannot run {}", exe.display()), e))?;
+    exit_status(status, args)
+}
+
+/// A step's exit status as the demo's outcome.
+fn exit_status(status: std::process::ExitStatus, args: &[String]) -> Result<(), CliError> {
     if status.success() {
         Ok(())
     } else if status.code() == Some(i32::from(dflash_common::exit_code::INTERRUPTED)) {
@@ -292,6 +299,39 @@ fn step(label: &str, args: &[String], quiet: bool) -> Result<(), CliError> {
             args.first().map_or("", String::as_str)
         )))
     }
+}
+
+/// New tokens per reply, in `generate` and `eval`.
+const REPLY_TOKENS: usize = 64;
+
+/// Conversations held out of training for `eval`.
+fn held_out(samples: usize) -> usize {
+    (samples / 20).clamp(4, 32)
+}
+
+/// The figures of an `eval --json` summary the demo reports.
+fn served_figures(v: &Value) -> Value {
+    json!({
+        "tau": v["tau"],
+        "pooled_tau": v["pooled_tau"],
+        "speedup": v["speedup"],
+        "lossless": v["lossless"],
+        "histogram": v["histogram"],
+    })
+}
+
+/// Runs one subcommand of this binary, showing it, and returns its stdout.
+fn step_output(label: &str, args: &[String]) -> Result<Vec<u8>, CliError> {
+    let exe = std::env::current_exe()
+        .map_err(|e| CliError::io("cannot find the dflash-orch binary".to_owned(), e))?;
+    eprintln!("{label:<10} dflash-orch {}", args.join(" "));
+    let out = Command::new(&exe)
+        .args(args)
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .map_err(|e| CliError::io(format!("cannot run {}", exe.display()), e))?;
+    exit_status(out.status, args)?;
+    Ok(out.stdout)
 }
 
 /// Mean of a field over a slice of metric lines.
@@ -319,12 +359,17 @@ pub fn run(args: DemoArgs) -> Result<(), CliError> {
         dir.join("store"),
         dir.join("run"),
     );
+    let (train_prompts, eval_prompts, generated) = (
+        dir.join("train-prompts.jsonl"),
+        dir.join("eval-prompts.jsonl"),
+        dir.join("generated.jsonl"),
+    );
     eprintln!(
         "dflash-orch demo: a DFlash drafter trained end to end on this machine's CPUs (no GPU, no downloads), in {}",
         dir.display()
     );
     step(
-        "[1/4]",
+        "[1/7]",
         &[
             "init-tiny".into(),
             "--output".into(),
@@ -336,30 +381,58 @@ pub fn run(args: DemoArgs) -> Result<(), CliError> {
     )?;
 
     let mut rng = PlanRng::stream(args.seed, 1, Purpose::Synthetic);
-    let mut text = Vec::new();
-    for _ in 0..args.samples {
-        serde_json::to_writer(&mut text, &conversation(&mut rng)).expect("JSON to memory");
-        text.push(b'\n');
-    }
-    let mut file = std::fs::File::create(&data)
-        .map_err(|e| CliError::io(format!("cannot write {}", data.display()), e))?;
-    file.write_all(&text)
-        .map_err(|e| CliError::io(format!("cannot write {}", data.display()), e))?;
+    let conversations: Vec<Vec<u8>> = (0..args.samples)
+        .map(|_| serde_json::to_vec(&conversation(&mut rng)).expect("JSON to memory"))
+        .collect();
+    let held = held_out(args.samples);
+    let write_lines = |path: &Path, rows: &[Vec<u8>]| -> Result<(), CliError> {
+        let mut text = Vec::new();
+        for row in rows {
+            text.extend_from_slice(row);
+            text.push(b'\n');
+        }
+        std::fs::write(path, text)
+            .map_err(|e| CliError::io(format!("cannot write {}", path.display()), e))
+    };
+    write_lines(&data, &conversations)?;
+    let (train, test) = conversations.split_at(args.samples - held);
+    write_lines(&train_prompts, train)?;
+    write_lines(&eval_prompts, test)?;
     eprintln!(
-        "[2/4]      {} conversations (counting, days, months, spelling, repetition) in {}",
+        "[2/7]      {} conversations (counting, days, months, spelling, repetition) in {}: {} to train on, {held} held out for eval",
         args.samples,
-        data.display()
+        data.display(),
+        train.len()
     );
     step(
-        "[3/4]",
+        "[3/7]",
+        &[
+            "generate".into(),
+            "--target-model".into(),
+            path_arg(&target),
+            "--input".into(),
+            path_arg(&train_prompts),
+            "--output".into(),
+            path_arg(&generated),
+            "--max-new-tokens".into(),
+            REPLY_TOKENS.to_string(),
+            "--gpus".into(),
+            "cpu:2".into(),
+            "--batch-size".into(),
+            "32".into(),
+        ],
+        true,
+    )?;
+    step(
+        "[4/7]",
         &[
             "prepare".into(),
             "--input".into(),
-            path_arg(&data),
-            "--tokenizer".into(),
-            path_arg(&target.join("tokenizer.json")),
+            path_arg(&generated),
             "--max-len".into(),
             "256".into(),
+            "--min-loss-tokens".into(),
+            "8".into(),
             "--output".into(),
             path_arg(&store),
         ],
@@ -409,8 +482,35 @@ pub fn run(args: DemoArgs) -> Result<(), CliError> {
     .iter()
     .map(|s| s.to_string())
     .collect();
-    step("[4/4]", &launch, false)?;
-
+    step("[5/7]", &launch, false)?;
+    let checkpoint = std::fs::read_to_string(run_dir.join("checkpoints").join("latest"))
+        .map(|name| run_dir.join("checkpoints").join(name.trim()))
+        .unwrap_or_else(|_| run_dir.join("checkpoints"));
+    let served = |label: &str, init: Option<u64>| -> Result<Value, CliError> {
+        let mut eval: Vec<String> = [
+            "eval",
+            "--target-model",
+            &path_arg(&target),
+            "--drafter",
+            &path_arg(&checkpoint),
+            "--prompts",
+            &path_arg(&eval_prompts),
+            "--max-new-tokens",
+            &REPLY_TOKENS.to_string(),
+            "--json",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        if let Some(seed) = init {
+            eval.extend(["--init-seed".into(), seed.to_string()]);
+        }
+        let out = step_output(label, &eval)?;
+        serde_json::from_slice(&out)
+            .map_err(|e| CliError::Failed(format!("eval printed no summary: {e}")))
+    };
+    let before = served("[6/7]", Some(args.seed))?;
+    let after = served("[7/7]", None)?;
     let lines = metrics::read(&run_dir)
         .map_err(|e| CliError::io(format!("cannot read {}", metrics::FILE), e))?;
     if lines.len() < 10 {
@@ -419,11 +519,8 @@ pub fn run(args: DemoArgs) -> Result<(), CliError> {
             lines.len()
         )));
     }
-    let tenth = lines.len() / 10;
+    let tenth = (lines.len() / 10).max(1);
     let (first, last) = (&lines[..tenth], &lines[lines.len() - tenth..]);
-    let checkpoint = std::fs::read_to_string(run_dir.join("checkpoints").join("latest"))
-        .map(|name| run_dir.join("checkpoints").join(name.trim()))
-        .unwrap_or_else(|_| run_dir.join("checkpoints"));
     let curves = run_dir.join("training.svg");
     let points: Vec<(f64, f64, f64)> = lines
         .iter()
@@ -451,6 +548,11 @@ pub fn run(args: DemoArgs) -> Result<(), CliError> {
             "accuracy": mean(last, "accuracy"),
             "acceptance_length": mean(last, "acceptance_length"),
         },
+        "served": {
+            "prompts": after["prompts"],
+            "before": served_figures(&before),
+            "after": served_figures(&after),
+        },
         "checkpoint": checkpoint,
         "curves": curves,
         "run_dir": run_dir,
@@ -464,6 +566,24 @@ pub fn run(args: DemoArgs) -> Result<(), CliError> {
         mean(last, "accuracy"),
         mean(first, "acceptance_length"),
         mean(last, "acceptance_length"),
+    );
+    let line = |v: &Value| {
+        format!(
+            "τ {:.2}, speedup {:.2}×, lossless {}",
+            v["tau"].as_f64().unwrap_or(f64::NAN),
+            v["speedup"].as_f64().unwrap_or(f64::NAN),
+            if v["lossless"] == true { "yes" } else { "NO" }
+        )
+    };
+    eprintln!(
+        "served     speculative decoding of {} held-out prompts ({REPLY_TOKENS} new tokens, block {}): untrained drafter {} -> trained {}",
+        after["prompts"],
+        after["block_size"],
+        line(&before),
+        line(&after),
+    );
+    eprintln!(
+        "           τ = mean over prompts of the tokens one verify step gains (accepted draft tokens + 1); a drafter that never agrees gives 1.0"
     );
     eprintln!(
         "checkpoint {} (model.safetensors and config.json in the Hugging Face DFlash layout)",

@@ -87,6 +87,11 @@ pub struct EvalArgs {
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     pub limit: Option<u32>,
 
+    /// Evaluate the untrained drafter of the checkpoint's shape instead of its weights: the
+    /// weights a run with `launch --seed N` starts from (a baseline for the trained one).
+    #[arg(long, value_name = "N")]
+    pub init_seed: Option<u64>,
+
     /// The GPU to decode on [default: the CPU].
     #[arg(long, value_name = "ID")]
     pub gpu: Option<u32>,
@@ -106,6 +111,8 @@ pub struct PromptSummary {
     /// Line of the prompts file.
     pub line: usize,
     pub prompt_tokens: usize,
+    /// The prompt's token ids (what another decoder needs to reproduce the row).
+    pub prompt_ids: Vec<u32>,
     pub output_ids: Vec<u32>,
     /// Mean tokens gained per verify step (0 when the prefill's token ended the output).
     pub tau: f64,
@@ -117,6 +124,10 @@ pub struct PromptSummary {
 /// What `eval` reports.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct EvalSummary {
+    /// The checkpoint directory evaluated.
+    pub drafter: String,
+    /// Set when the untrained weights of this seed were evaluated instead of the checkpoint's.
+    pub init_seed: Option<u64>,
     pub prompts: usize,
     pub block_size: usize,
     pub max_new_tokens: usize,
@@ -142,11 +153,11 @@ pub struct EvalSummary {
 }
 
 /// τ, the histogram, the speedup and the lossless check of the worker's results (in prompt
-/// order; `lines[i]` and `lengths[i]` are prompt i's line and length).
+/// order; `lines[i]` and `prompts[i]` are prompt i's line and tokens).
 pub fn summarize(
     results: &[PromptResult],
     lines: &[usize],
-    lengths: &[usize],
+    prompts: &[Vec<u32>],
     block_size: usize,
 ) -> (f64, f64, Vec<f64>, f64, f64, bool, Vec<PromptSummary>) {
     let mean = |v: &[f64]| {
@@ -185,7 +196,8 @@ pub fn summarize(
         }
         per_prompt.push(PromptSummary {
             line: lines.get(r.prompt).copied().unwrap_or(0),
-            prompt_tokens: lengths.get(r.prompt).copied().unwrap_or(0),
+            prompt_tokens: prompts.get(r.prompt).map_or(0, Vec::len),
+            prompt_ids: prompts.get(r.prompt).cloned().unwrap_or_default(),
             output_ids: r.output_ids.clone(),
             tau,
             steps,
@@ -519,6 +531,7 @@ pub fn prepare(args: &EvalArgs) -> Result<Prepared, CliError> {
             stop_token_ids,
             dtype,
             baseline: true,
+            init_seed: args.init_seed,
         },
         lines,
     })
@@ -556,10 +569,11 @@ pub fn evaluate(
         bar.inc(1);
     })?;
     bar.finish_and_clear();
-    let lengths: Vec<usize> = req.prompts.iter().map(Vec::len).collect();
     let (tau, pooled_tau, histogram, base, spec, lossless, per_prompt) =
-        summarize(&results, &prepared.lines, &lengths, req.block_size);
+        summarize(&results, &prepared.lines, &req.prompts, req.block_size);
     Ok(EvalSummary {
+        drafter: req.drafter.display().to_string(),
+        init_seed: req.init_seed,
         prompts: results.len(),
         block_size: req.block_size,
         max_new_tokens: req.max_new_tokens,
@@ -580,8 +594,17 @@ pub fn evaluate(
 /// The summary as a person reads it.
 pub fn render(s: &EvalSummary) -> String {
     let mut out = format!(
-        "eval: {} prompts, up to {} new tokens each, block {}, {} ({})\n",
-        s.prompts, s.max_new_tokens, s.block_size, s.device, s.dtype
+        "eval: {} ({}), {} prompts, up to {} new tokens each, block {}, {} ({})\n",
+        s.drafter,
+        s.init_seed.map_or_else(
+            || "trained weights".to_owned(),
+            |seed| format!("untrained: the weights a run of seed {seed} starts from")
+        ),
+        s.prompts,
+        s.max_new_tokens,
+        s.block_size,
+        s.device,
+        s.dtype
     );
     out.push_str(&format!(
         "  τ (tokens per verify step, mean over prompts): {:.2}   pooled over all steps: {:.2}\n",
@@ -659,7 +682,7 @@ mod tests {
         // Prompt 0: steps gaining 4, 4, 1 (mean 3); prompt 1: 1, 1, 1, 1, 1, 1 (mean 1).
         let results = vec![result(0, vec![4, 4, 1], true), result(1, vec![1; 6], true)];
         let (tau, pooled, hist, base, spec, lossless, per) =
-            summarize(&results, &[3, 7], &[10, 20], 4);
+            summarize(&results, &[3, 7], &[vec![1; 10], vec![2; 20]], 4);
         assert_eq!(tau, 2.0);
         assert_eq!(pooled, 15.0 / 9.0);
         assert_eq!(hist, vec![7.0 / 9.0, 0.0, 0.0, 2.0 / 9.0]);
@@ -672,12 +695,12 @@ mod tests {
         );
         // An output that differs from greedy decoding is named.
         let results = vec![result(0, vec![2], true), result(1, vec![3], false)];
-        let (.., lossless, per) = summarize(&results, &[1, 2], &[1, 1], 4);
+        let (.., lossless, per) = summarize(&results, &[1, 2], &[vec![1], vec![1]], 4);
         assert!(!lossless);
         assert!(per[0].lossless && !per[1].lossless);
         // A prompt whose first token stopped it has no steps and no τ of its own.
         let results = vec![result(0, vec![], true), result(1, vec![3, 1], true)];
-        let (tau, pooled, ..) = summarize(&results, &[1, 2], &[1, 1], 4);
+        let (tau, pooled, ..) = summarize(&results, &[1, 2], &[vec![1], vec![1]], 4);
         assert_eq!((tau, pooled), (2.0, 2.0));
     }
 

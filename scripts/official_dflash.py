@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""Cross-checks a dflash-orch drafter checkpoint with the official DFlash reference code, the PyPI
+package `dflash==0.1.0` (`dflash.model.DFlashDraftModel` and `dflash.model.dflash_generate`).
+
+    official_dflash.py --target-model DIR --drafter CKPT_DIR --prompts FILE.jsonl
+                       --max-new-tokens N [--stop-token-ids 1,2] [--block-size B]
+
+The target (a Hugging Face Qwen3 directory) is loaded with `transformers` and the drafter with
+`DFlashDraftModel.from_pretrained`, both in float32 on the CPU. The drafter must load strictly: no
+missing, unexpected or mismatched tensor, and every parameter equal to the tensor of that name in
+model.safetensors (so none was left at its random init). The config fields that the official code
+needs, or would default silently (see REQUIRED), must be present: a default would hide a mismatch.
+
+Every row of the JSONL prompts file is {"input_ids": [...]}. Each prompt is decoded greedily twice
+with `dflash_generate`: speculatively (the drafter's block size, or --block-size) and plainly
+(block size 1, the official baseline). Prints one JSON object on stdout:
+    {"tau": mean over prompts of mean(acceptance_lengths), "pooled_tau": mean over all steps,
+     "prompts": [{"output_ids", "acceptance_lengths", "baseline_ids", "lossless"}], "lossless"}
+where the ids are the new tokens only and lossless means output_ids == baseline_ids. Everything
+else goes to stderr. Exit status: 0 when every prompt is lossless, 1 when one is not, 2 when the
+checkpoint or the environment is not usable.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, DynamicCache
+
+import dflash.model
+from dflash.model import DFlashDraftModel, dflash_generate
+
+# Fields of the drafter's config.json that dflash.model (or transformers' Qwen3Config) would
+# default silently or trip over later; each may sit at the top level or in "dflash_config"
+# ("rope_theta" also in "rope_parameters"). Without num_target_layers the loader raises even when
+# target_layer_ids is given; without mask_token_id it loads and dflash_generate fails.
+REQUIRED = ("block_size", "mask_token_id", "target_layer_ids", "num_target_layers", "rope_theta")
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def fail(msg):
+    log(f"official_dflash: {msg}")
+    sys.exit(2)
+
+
+def check_config(ckpt):
+    config = json.loads((ckpt / "config.json").read_text())
+    sections = (config, config.get("dflash_config", {}), config.get("rope_parameters", {}))
+    missing = [k for k in REQUIRED if not any(k in section for section in sections)]
+    if missing:
+        fail(f"{ckpt}/config.json lacks {', '.join(missing)}, which dflash.model needs (see REQUIRED)")
+    if config.get("architectures") != ["DFlashDraftModel"]:
+        fail(f"{ckpt}/config.json: architectures is {config.get('architectures')!r}, not ['DFlashDraftModel']")
+
+
+def load_strict(cls, path, what):
+    try:
+        model, info = cls.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+    except Exception as e:  # transformers raises on shape mismatches, AttributeError on config gaps
+        fail(f"{what} {path} cannot be loaded: {type(e).__name__}: {e}")
+    problems = [f"{kind} {key}" for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")
+                for key in info.get(kind) or []]
+    if problems:
+        fail(f"{what} {path} did not load strictly: " + "; ".join(problems))
+    return model.eval()
+
+
+def load_drafter(ckpt):
+    check_config(ckpt)
+    draft = load_strict(DFlashDraftModel, ckpt, "drafter")
+    saved = load_file(ckpt / "model.safetensors")
+    params = draft.state_dict()
+    if set(saved) != set(params):
+        fail(f"drafter tensors differ from {ckpt}/model.safetensors: {sorted(set(saved) ^ set(params))}")
+    stale = [k for k, v in params.items() if not torch.equal(v, saved[k].to(v.dtype))]
+    if stale:
+        fail(f"drafter parameters not taken from the checkpoint (random init?): {stale}")
+    return draft
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target-model", type=Path, required=True)
+    p.add_argument("--drafter", type=Path, required=True)
+    p.add_argument("--prompts", type=Path, required=True)
+    p.add_argument("--max-new-tokens", type=int, required=True)
+    p.add_argument("--stop-token-ids", type=lambda s: [int(x) for x in s.split(",") if x.strip()])
+    p.add_argument("--block-size", type=int)
+    args = p.parse_args()
+
+    if not hasattr(DynamicCache, "activate_past_recording"):
+        fail(f"transformers {transformers.__version__} has no DynamicCache.activate_past_recording, which "
+             "dflash 0.1.0 calls (added in 5.14; the package pins 5.15.0)")
+    # With return_stats=True dflash_generate times itself through _cuda_time, which calls
+    # torch.cuda.synchronize(); everything here runs on the CPU, where that call fails.
+    dflash.model._cuda_time = time.perf_counter
+
+    target = load_strict(AutoModelForCausalLM, args.target_model, "target")
+    draft = load_drafter(args.drafter)
+    block_size = args.block_size or draft.block_size
+    log(f"target {args.target_model}, drafter {args.drafter} (block size {block_size}, "
+        f"target layers {draft.target_layer_ids}, mask token {draft.mask_token_id})")
+
+    rows = []
+    for line_no, line in enumerate(args.prompts.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        input_ids = torch.tensor([json.loads(line)["input_ids"]], dtype=torch.long)
+
+        def generate(bs):
+            out = dflash_generate(draft, target, input_ids, args.max_new_tokens, args.stop_token_ids,
+                                  temperature=0.0, block_size=bs, return_stats=True)
+            return out.output_ids[0, out.num_input_tokens:].tolist(), out.acceptance_lengths
+
+        output_ids, acceptance = generate(block_size)
+        baseline_ids, _ = generate(1)
+        rows.append({"output_ids": output_ids, "acceptance_lengths": acceptance,
+                     "baseline_ids": baseline_ids, "lossless": output_ids == baseline_ids})
+        log(f"prompt {line_no}: {len(output_ids)} tokens in {len(acceptance)} steps, "
+            f"lossless {rows[-1]['lossless']}")
+
+    per_prompt = [sum(r["acceptance_lengths"]) / len(r["acceptance_lengths"])
+                  for r in rows if r["acceptance_lengths"]]
+    pooled = [a for r in rows for a in r["acceptance_lengths"]]
+    lossless = all(r["lossless"] for r in rows)
+    print(json.dumps({
+        "tau": sum(per_prompt) / len(per_prompt) if per_prompt else None,
+        "pooled_tau": sum(pooled) / len(pooled) if pooled else None,
+        "prompts": rows,
+        "lossless": lossless,
+    }))
+    sys.exit(0 if lossless else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+//! Served acceptance, checked by the official DFlash code: a small `demo` (the target writes the
+//! training replies, the drafter trains, `eval` measures τ before and after on held-out
+//! prompts), then the PyPI package `dflash` loads the trained checkpoint strictly (no missing or
+//! unexpected tensor, every weight from the file) and decodes the same prompts with our target:
+//! its outputs, its acceptance at every verify step and its τ equal ours, and both equal plain
+//! greedy decoding. The official venv comes from `scripts/setup-test-env`.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use dflash_e2e::{orch, script, stdout_ok, workspace_root};
+use serde_json::Value;
+
+fn official_python() -> PathBuf {
+    let python = std::env::var_os("DFLASH_OFFICIAL_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join(".venv-official/bin/python"));
+    assert!(
+        python.exists(),
+        "{} not found: run scripts/setup-test-env first (README's test command does)",
+        python.display()
+    );
+    python
+}
+
+#[test]
+fn the_official_package_loads_our_checkpoint_and_decodes_as_eval_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("demo");
+    let out = orch(&[
+        "demo",
+        "--run-dir",
+        run.to_str().unwrap(),
+        "--samples",
+        "1000",
+        "--epochs",
+        "6",
+        "--json",
+    ]);
+    let demo: Value = serde_json::from_str(&stdout_ok(&out)).unwrap();
+    let (before, after) = (
+        demo["served"]["before"]["tau"].as_f64().unwrap(),
+        demo["served"]["after"]["tau"].as_f64().unwrap(),
+    );
+    // An untrained drafter agrees with nothing; the trained one must gain at least 1.5x that.
+    assert!(before < 1.05, "untrained τ {before}");
+    assert!(after >= 1.5 * before, "τ {before} -> {after}");
+    assert_eq!(demo["served"]["after"]["lossless"], true);
+
+    // Our eval of the held-out prompts, with their token ids for the official decoder.
+    let checkpoint = demo["checkpoint"].as_str().unwrap();
+    let target = run.join("target");
+    let ours: Value = serde_json::from_str(&stdout_ok(&orch(&[
+        "eval",
+        "--target-model",
+        target.to_str().unwrap(),
+        "--drafter",
+        checkpoint,
+        "--prompts",
+        run.join("eval-prompts.jsonl").to_str().unwrap(),
+        "--max-new-tokens",
+        "64",
+        "--json",
+    ])))
+    .unwrap();
+    assert_eq!(ours["tau"].as_f64().unwrap(), after);
+    let prompts = dir.path().join("prompts.jsonl");
+    let per = ours["per_prompt"].as_array().unwrap();
+    let rows: Vec<String> = per
+        .iter()
+        .map(|p| serde_json::json!({"input_ids": p["prompt_ids"]}).to_string())
+        .collect();
+    std::fs::write(&prompts, rows.join("\n") + "\n").unwrap();
+
+    let official = Command::new(official_python())
+        .arg(script("official_dflash.py"))
+        .args(["--target-model", target.to_str().unwrap()])
+        .args(["--drafter", checkpoint])
+        .args(["--prompts", prompts.to_str().unwrap()])
+        .args(["--max-new-tokens", "64", "--stop-token-ids", "2"])
+        .output()
+        .unwrap();
+    let theirs: Value = serde_json::from_slice(&official.stdout).unwrap_or_else(|e| {
+        panic!(
+            "official_dflash.py: {e}\n{}",
+            String::from_utf8_lossy(&official.stderr)
+        )
+    });
+    assert!(official.status.success(), "{theirs}");
+    assert_eq!(theirs["lossless"], true);
+    let their_tau = theirs["tau"].as_f64().unwrap();
+    assert!(
+        (their_tau - after).abs() <= 0.02 * after,
+        "official τ {their_tau}, ours {after}"
+    );
+    for (i, (o, t)) in per
+        .iter()
+        .zip(theirs["prompts"].as_array().unwrap())
+        .enumerate()
+    {
+        assert_eq!(
+            o["output_ids"], t["output_ids"],
+            "prompt {i}: outputs differ"
+        );
+        assert_eq!(o["output_ids"], t["baseline_ids"], "prompt {i}: not greedy");
+        let steps = t["acceptance_lengths"].as_array().unwrap().len();
+        assert_eq!(o["steps"].as_u64().unwrap() as usize, steps, "prompt {i}");
+    }
+}
