@@ -47,12 +47,47 @@ pub struct DflashSettings {
     /// gradients of the chunks are summed. None: all anchors at once.
     #[serde(default)]
     pub anchor_chunk: Option<usize>,
+    /// What a NaN or infinity in the features, the loss or the gradients does: stop the run
+    /// (naming where it appeared), or skip that optimiser step (journalled and counted).
+    #[serde(default)]
+    pub on_nonfinite: NonFinite,
     /// The run fingerprint: for each thing that decides the trained weights (`target`, `data`,
     /// `planner`, `seed`, `optimiser`, `drafter`, `loss`, `precision`, `epochs`), a hex hash of
     /// it. Written into every checkpoint's `state.json`; a drafter refuses a checkpoint whose
     /// fingerprint differs, naming the fields that differ.
     #[serde(default)]
     pub fingerprint: BTreeMap<String, String>,
+}
+
+/// `--on-nonfinite`: what a NaN or infinity does to the run.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NonFinite {
+    /// The run stops with where the value appeared.
+    #[default]
+    Stop,
+    /// The optimiser step it would have poisoned is skipped (journalled and counted).
+    Skip,
+}
+
+impl NonFinite {
+    pub fn name(self) -> &'static str {
+        match self {
+            NonFinite::Stop => "stop",
+            NonFinite::Skip => "skip",
+        }
+    }
+}
+
+impl std::str::FromStr for NonFinite {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "stop" => Ok(NonFinite::Stop),
+            "skip" => Ok(NonFinite::Skip),
+            other => Err(format!("{other:?} is not stop or skip")),
+        }
+    }
 }
 
 /// An element type of weights, activations or features.
@@ -494,6 +529,16 @@ impl DflashSettings {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn on_nonfinite_reads_stop_or_skip_only() {
+        assert_eq!("stop".parse::<NonFinite>(), Ok(NonFinite::Stop));
+        assert_eq!(" skip ".parse::<NonFinite>(), Ok(NonFinite::Skip));
+        for bad in ["", "Skip", "ignore", "stop,skip"] {
+            let err = bad.parse::<NonFinite>().unwrap_err();
+            assert!(err.contains("stop or skip"), "{bad}: {err}");
+        }
+    }
 
     #[test]
     fn default_layer_ids_are_spread_and_distinct() {

@@ -6,7 +6,7 @@ use ipc_channel::ipc::{IpcReceiver, IpcSender};
 use serde::{Deserialize, Serialize};
 
 /// Bumped on any change to these messages or to the ring layout.
-pub const PROTOCOL: u32 = 2;
+pub const PROTOCOL: u32 = 3;
 
 /// What a worker does in the run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -114,6 +114,8 @@ pub struct Update {
     pub loss: f64,
     /// A checkpoint of this step was queued.
     pub checkpoint: bool,
+    /// The step was skipped (`--on-nonfinite skip`): what was not finite, and where.
+    pub skipped: Option<String>,
 }
 
 /// What training one micro-batch measured.
@@ -142,7 +144,11 @@ pub enum Event {
     /// Ready for a job (after start-up and after each job).
     Ready,
     /// Features of the batch are in the feature slot.
-    Forwarded { id: BatchId },
+    Forwarded {
+        id: BatchId,
+        /// Where the features hold a NaN or an infinity (the first target layer that does).
+        nonfinite: Option<String>,
+    },
     /// The step is trained; the orchestrator commits it.
     Trained {
         id: BatchId,

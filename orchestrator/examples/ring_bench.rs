@@ -254,7 +254,10 @@ fn consumer(name: String, ring_path: &Path) -> Result<(), String> {
                         b.batches += 1;
                         b.tokens += n as u64;
                         b.read += started.elapsed();
-                        Event::Forwarded { id }
+                        Event::Forwarded {
+                            id,
+                            nonfinite: None,
+                        }
                     }
                     Err(reason) => Event::Failed {
                         id: Some(id),
@@ -717,7 +720,7 @@ impl Feeder<'_> {
                 .recv()
                 .map_err(|e| format!("lost the consumer: {e}"))?
             {
-                Event::Forwarded { id } => {
+                Event::Forwarded { id, .. } => {
                     free.push(id.batch);
                     stats.batches += 1;
                 }

@@ -750,3 +750,69 @@ fn more_than_one_drafter_is_refused_for_dflash() {
     );
     assert!(!run_dir.exists(), "nothing created");
 }
+
+/// A NaN in the features (a target worker poisons every position of one token id): the run
+/// stops at once, naming the batch, the target worker and the layer, and leaves nothing behind;
+/// resumed with `--on-nonfinite skip`, every step it would have poisoned is skipped, journalled
+/// and counted in metrics, and the run completes with finite weights.
+#[test]
+fn a_nan_in_the_features_stops_the_run_or_skips_the_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = tiny_target(dir.path());
+    let run_dir = dir.path().join("run");
+    let poison = |c: &mut Command| {
+        c.env("DFLASH_WORKER_POISON_TOKEN", "517");
+    };
+    let mut c = launch_with(&run_dir, &target, &["--target-layer-ids", "1,2"]);
+    poison(&mut c);
+    let out = c.output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("NaN or infinity in the hidden states of target layer 1")
+            && err.contains("from target worker")
+            && err.contains("--on-nonfinite skip"),
+        "{err}"
+    );
+    assert_clean(&run_dir);
+
+    let mut c = launch_with(
+        &run_dir,
+        &target,
+        &[
+            "--target-layer-ids",
+            "1,2",
+            "--resume",
+            "--on-nonfinite",
+            "skip",
+        ],
+    );
+    poison(&mut c);
+    finish(c.spawn().unwrap());
+    let skipped = journal_events(&run_dir, "skipped_step");
+    assert!(!skipped.is_empty(), "no step was skipped");
+    assert!(
+        skipped
+            .iter()
+            .all(|s| s["reason"].as_str().unwrap().contains("target layer 1")),
+        "{skipped:?}"
+    );
+    let lines: Vec<Value> = fs::read_to_string(run_dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|l| l["kind"] == "train")
+        .collect();
+    let marked = lines.iter().filter(|l| !l["skipped"].is_null()).count();
+    assert_eq!(marked, skipped.len());
+    assert_eq!(
+        lines.last().unwrap()["skipped_steps"].as_u64().unwrap() as usize,
+        skipped.len()
+    );
+    assert!(
+        lines
+            .iter()
+            .all(|l| l["loss"].as_f64().unwrap().is_finite())
+    );
+    assert_eq!(journal_events(&run_dir, "end")[0]["status"], "completed");
+}

@@ -12,7 +12,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
-use dflash_common::dflash::{DflashSettings, Precision};
+use dflash_common::dflash::{DflashSettings, NonFinite, Precision};
 use dflash_common::ring::{
     Layout, Ring, features_offset, read_lengths, read_masks, read_tokens, token_checksum,
     write_batch,
@@ -147,6 +147,9 @@ pub struct TargetStage {
     model: Qwen3,
     /// Hidden-state indices (layer id + 1).
     indices: Vec<usize>,
+    layer_ids: Vec<usize>,
+    /// Fault injection: the token whose features are made NaN.
+    poison: Option<u32>,
     budget: u64,
     feature_dtype: DType,
     device: Device,
@@ -165,6 +168,8 @@ impl TargetStage {
         Ok(Self {
             model,
             indices: settings.target_layer_ids.iter().map(|l| l + 1).collect(),
+            layer_ids: settings.target_layer_ids.clone(),
+            poison: crate::faults::poison_token(),
             budget: settings.token_budget,
             feature_dtype: dtype(settings.feature_dtype),
             device: device.clone(),
@@ -224,7 +229,7 @@ impl Stage for TargetStage {
         at: SlotRef,
         features: &mut Ring,
         out: SlotRef,
-    ) -> Result<(), String> {
+    ) -> Result<Option<String>, String> {
         let meta = claim(input, at, features, out)?;
         let data = input.data(at.slot);
         let lengths = read_lengths(data, &meta)?;
@@ -237,10 +242,17 @@ impl Stage for TargetStage {
                 "token id {bad} is outside the target's vocabulary ({vocab})"
             ));
         }
-        let values = self
+        let mut values = self
             .features(meta.layout, &lengths, &tokens)?
             .to_dtype(self.feature_dtype)
             .map_err(err)?;
+        if let Some(poison) = self.poison
+            && tokens.contains(&poison)
+        {
+            values = poisoned(&values, &tokens, poison)?;
+        }
+        let nonfinite = nonfinite_layer(&values, &self.layer_ids)?
+            .map(|layer| format!("a NaN or infinity in the hidden states of target layer {layer}"));
         let slot = features.data_mut(out.slot);
         let from = features_offset(self.budget);
         let dst = slot
@@ -257,7 +269,7 @@ impl Stage for TargetStage {
             self.budget,
         );
         features.mark_written(out.slot, out.generation, written);
-        Ok(())
+        Ok(nonfinite)
     }
 
     fn train(
@@ -270,6 +282,56 @@ impl Stage for TargetStage {
     ) -> Result<(u32, Option<TrainMetrics>), String> {
         Err("a target worker got a training job".into())
     }
+}
+
+/// The name of the first drafter parameter whose gradient holds a NaN or an infinity.
+fn first_nonfinite(grads: &[Option<Tensor>], drafter: &Drafter) -> Result<String, String> {
+    for (g, p) in grads.iter().zip(&drafter.params) {
+        if let Some(g) = g {
+            let total = g
+                .to_dtype(DType::F32)
+                .and_then(|t| t.abs())
+                .and_then(|t| t.sum_all())
+                .and_then(|t| t.to_scalar::<f32>())
+                .map_err(err)?;
+            if !total.is_finite() {
+                return Ok(p.name.clone());
+            }
+        }
+    }
+    Ok("an unknown parameter".into())
+}
+
+/// `values` with NaN in the first layer's features of every position holding `token`.
+fn poisoned(values: &Tensor, tokens: &[u32], token: u32) -> Result<Tensor, String> {
+    let (n, width) = values.dims2().map_err(err)?;
+    let mask: Vec<f32> = tokens
+        .iter()
+        .flat_map(|&t| (0..width).map(move |c| if t == token && c == 0 { f32::NAN } else { 0.0 }))
+        .collect();
+    let mask = Tensor::from_vec(mask, (n, width), values.device())
+        .and_then(|m| m.to_dtype(values.dtype()))
+        .map_err(err)?;
+    (values + mask).map_err(err)
+}
+
+/// The first of `layer_ids` whose slice of `features` (`[tokens, n·hidden]`, the layers' hidden
+/// states side by side) holds a NaN or an infinity.
+pub fn nonfinite_layer(features: &Tensor, layer_ids: &[usize]) -> Result<Option<usize>, String> {
+    let width = features.dim(1).map_err(err)? / layer_ids.len().max(1);
+    for (i, &layer) in layer_ids.iter().enumerate() {
+        let total = features
+            .narrow(1, i * width, width)
+            .and_then(|t| t.to_dtype(DType::F32))
+            .and_then(|t| t.abs())
+            .and_then(|t| t.sum_all())
+            .and_then(|t| t.to_scalar::<f32>())
+            .map_err(err)?;
+        if !total.is_finite() {
+            return Ok(Some(layer));
+        }
+    }
+    Ok(None)
 }
 
 /// The generator of the anchors of one sequence of one step.
@@ -326,6 +388,8 @@ pub struct DrafterStage {
     saved_step: u64,
     resumed_step: u64,
     group_loss: f64,
+    /// Why the optimiser step of the current group is to be skipped (`--on-nonfinite skip`).
+    skip: Option<String>,
 }
 
 impl DrafterStage {
@@ -409,6 +473,7 @@ impl DrafterStage {
             saved_step: step,
             resumed_step: step,
             group_loss: 0.0,
+            skip: None,
         })
     }
 
@@ -434,6 +499,21 @@ impl DrafterStage {
         Ok(())
     }
 
+    /// A NaN or infinity found, `what` and where: the run stops (an error naming it), or with
+    /// `--on-nonfinite skip` the current group's optimiser step is marked to be skipped.
+    fn nonfinite(&mut self, what: String) -> Result<(), String> {
+        match self.settings.on_nonfinite {
+            NonFinite::Stop => Err(format!(
+                "{what} (--on-nonfinite stop; resume with --on-nonfinite skip to skip such steps)"
+            )),
+            NonFinite::Skip => {
+                tracing::warn!("{what}: skipping this optimiser step");
+                self.skip.get_or_insert(what);
+                Ok(())
+            }
+        }
+    }
+
     /// Fails on a checkpoint the writer could not write, and once the writer itself has died
     /// ("checkpoint writer failed: <its panic>").
     fn check_writer(&mut self) -> Result<(), String> {
@@ -448,7 +528,13 @@ impl DrafterStage {
 }
 
 impl Stage for DrafterStage {
-    fn forward(&mut self, _: &Ring, _: SlotRef, _: &mut Ring, _: SlotRef) -> Result<(), String> {
+    fn forward(
+        &mut self,
+        _: &Ring,
+        _: SlotRef,
+        _: &mut Ring,
+        _: SlotRef,
+    ) -> Result<Option<String>, String> {
         Err("a drafter worker got a forward job".into())
     }
 
@@ -500,6 +586,16 @@ impl Stage for DrafterStage {
             &self.device,
         )
         .map_err(err)?;
+        let at_batch = format!(
+            "batch {} of epoch {} (step {})",
+            id.batch, id.epoch, id.step
+        );
+        let poisoned = nonfinite_layer(&all, &self.settings.target_layer_ids)?;
+        if let Some(layer) = poisoned {
+            self.nonfinite(format!(
+                "the features of {at_batch} hold a NaN or infinity at target layer {layer}"
+            ))?;
+        }
         // Every sequence's anchors, drawn from (seed, step, sequence).
         let mut offset = 0;
         let mut sequences = Vec::with_capacity(lengths.len());
@@ -513,7 +609,7 @@ impl Stage for DrafterStage {
                 id.step,
                 i as u64,
             );
-            if !picked.is_empty() {
+            if !picked.is_empty() && poisoned.is_none() {
                 sequences.push((range, picked));
             }
         }
@@ -531,7 +627,14 @@ impl Stage for DrafterStage {
                 group.len as usize,
             )
             .map_err(err)?;
-        if let Some(grads) = grads {
+        let (grads, mut batch) = (grads, batch);
+        if !batch.loss.is_finite() {
+            self.nonfinite(format!("the loss of {at_batch} is not finite"))?;
+            batch.loss = 0.0;
+        }
+        if let Some(grads) = grads
+            && self.skip.is_none()
+        {
             self.accum.sum(grads).map_err(err)?;
         }
         // A micro-batch with nothing to learn from still takes its place in the group.
@@ -541,14 +644,23 @@ impl Stage for DrafterStage {
         self.group_loss += loss / f64::from(group.len);
         let mut update = None;
         if group.is_last() {
-            let grad_norm;
+            let mut grad_norm = 0.0;
             let lr = self.schedule.lr(self.step);
-            if let Some(mut grads) = self.accum.take() {
+            let grads = self.accum.take();
+            if let Some(mut grads) = grads.filter(|_| self.skip.is_none()) {
                 grad_norm = clip_grad_norm(&mut grads, self.settings.clip).map_err(err)?;
-                self.opt.step(&grads, lr).map_err(err)?;
-            } else {
-                grad_norm = 0.0;
+                if grad_norm.is_finite() {
+                    self.opt.step(&grads, lr).map_err(err)?;
+                } else {
+                    let name = first_nonfinite(&grads, &self.drafter)?;
+                    self.nonfinite(format!(
+                        "the gradient of {name} is not finite at step {} (the group ending with {at_batch})",
+                        self.step + 1
+                    ))?;
+                    grad_norm = 0.0;
+                }
             }
+            let skipped = self.skip.take();
             self.accum.micro = 0;
             self.step += 1;
             self.cursor = id.step + 1;
@@ -563,6 +675,7 @@ impl Stage for DrafterStage {
                 grad_norm,
                 loss: std::mem::take(&mut self.group_loss),
                 checkpoint,
+                skipped,
             });
         }
         Ok((

@@ -7,6 +7,9 @@
 //!   SIGUSR1 keeps its default action (the process ends).
 //! - `DFLASH_WORKER_HANG_EVERY_JOB=1`: every Forward and Train job hangs, so a run whose jobs
 //!   always time out can be shown to end through its restart budget.
+//! - `DFLASH_WORKER_POISON_TOKEN=ID`: a DFlash target worker writes NaN into the features of
+//!   every position holding token ID (at its first target layer), as a diverging target would:
+//!   what `--on-nonfinite` handles.
 
 use std::io;
 use std::sync::Arc;
@@ -17,6 +20,14 @@ use std::time::Duration;
 pub const FAULTS_ENV: &str = "DFLASH_WORKER_FAULTS";
 /// Hangs every job when set to `1`.
 pub const HANG_EVERY_JOB_ENV: &str = "DFLASH_WORKER_HANG_EVERY_JOB";
+
+/// Poisons the features of a token when set to its id.
+pub const POISON_TOKEN_ENV: &str = "DFLASH_WORKER_POISON_TOKEN";
+
+/// The token whose features a target worker poisons, when the environment names one.
+pub fn poison_token() -> Option<u32> {
+    std::env::var(POISON_TOKEN_ENV).ok()?.trim().parse().ok()
+}
 
 /// The faults this worker injects, as its environment asked.
 #[derive(Debug, Default)]

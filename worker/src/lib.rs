@@ -265,7 +265,7 @@ pub fn run(args: WorkerArgs) -> Result<(), WorkerError> {
                     .as_ref()
                     .ok_or_else(|| WorkerError::Invalid("a drafter got a forward job".into()))?;
                 match stage.forward(ring, input, &mut feature_ring, feature) {
-                    Ok(()) => Event::Forwarded { id },
+                    Ok(nonfinite) => Event::Forwarded { id, nonfinite },
                     Err(reason) => Event::Failed {
                         id: Some(id),
                         reason,

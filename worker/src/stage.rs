@@ -9,14 +9,15 @@ use dflash_common::wire::{BatchId, Group, SlotRef, TrainMetrics};
 
 /// What a worker computes: the synthetic stage, or the DFlash target and drafter.
 pub trait Stage {
-    /// Reads the batch in `input`, writes its features into `feature`.
+    /// Reads the batch in `input`, writes its features into `feature`; says where the features
+    /// hold a NaN or an infinity, if they do.
     fn forward(
         &mut self,
         input: &Ring,
         at: SlotRef,
         features: &mut Ring,
         out: SlotRef,
-    ) -> Result<(), String>;
+    ) -> Result<Option<String>, String>;
 
     /// Trains on the features in `at`, which must hold tokens with `checksum`; returns the
     /// checksum found and what the step measured.
@@ -96,7 +97,7 @@ impl Stage for Synthetic {
         at: SlotRef,
         features: &mut Ring,
         out: SlotRef,
-    ) -> Result<(), String> {
+    ) -> Result<Option<String>, String> {
         let started = Instant::now();
         let meta = claim(input, at, features, out)?;
         let mut tokens = Vec::with_capacity(meta.tokens as usize);
@@ -124,7 +125,7 @@ impl Stage for Synthetic {
                 ..meta
             },
         );
-        Ok(())
+        Ok(None)
     }
 
     /// Checks the features in `feature` against the orchestrator's checksum.

@@ -188,6 +188,12 @@ pub struct DflashFlags {
     #[arg(long, value_name = "auto|f32|bf16", default_value = "auto", value_parser = options::dtype_choice())]
     pub feature_dtype: options::DtypeChoice,
 
+    /// What a NaN or infinity in the features, the loss or the gradients does: stop (the run
+    /// ends, naming the batch, the worker and the layer) or skip (that optimiser step is skipped,
+    /// journalled and counted in metrics). May change on --resume.
+    #[arg(long, value_name = "stop|skip", default_value = "stop")]
+    pub on_nonfinite: dflash_common::dflash::NonFinite,
+
     /// Anchors of a sequence computed and back-propagated together (gradients of the chunks are
     /// summed): 1 to 65536, or auto (as many as fit the drafter's activation budget at
     /// --max-len; see `launch --dry-run`).
@@ -233,6 +239,7 @@ impl DflashFlags {
             dtype: self.dtype.resolve(gpu),
             feature_dtype: self.feature_dtype.resolve(gpu),
             anchor_chunk: None,
+            on_nonfinite: self.on_nonfinite,
             fingerprint: Default::default(),
         })
         .map(|mut settings| {

@@ -84,7 +84,7 @@ const GPU_SERIES: [(&str, &str); 9] = [
     ("dflash_gpu_sm_clock_hertz", "SM clock"),
 ];
 
-const RUN_SERIES: [(&str, &str); 12] = [
+const RUN_SERIES: [(&str, &str); 13] = [
     ("dflash_committed_steps", "Batches committed (plan steps)"),
     ("dflash_epoch", "Current epoch"),
     (
@@ -117,6 +117,10 @@ const RUN_SERIES: [(&str, &str); 12] = [
     (
         "dflash_train_grad_norm",
         "Gradient norm of the last step (before clipping)",
+    ),
+    (
+        "dflash_train_skipped_steps",
+        "Optimiser steps skipped for a NaN or infinity (--on-nonfinite skip) this session",
     ),
 ];
 

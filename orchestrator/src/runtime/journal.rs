@@ -49,6 +49,13 @@ pub enum Entry {
         from_step: u64,
         to_step: u64,
     },
+    /// An optimiser step skipped for a NaN or infinity (`--on-nonfinite skip`).
+    SkippedStep {
+        step: u64,
+        epoch: u32,
+        batch: u64,
+        reason: String,
+    },
     WorkerStart {
         worker: u32,
         role: String,
@@ -264,7 +271,8 @@ pub fn read(path: &Path) -> Result<History, JournalError> {
             }
             Entry::End { status, .. } => history.ended = Some(status),
             Entry::Resume { .. } => history.ended = None,
-            Entry::WorkerStart { .. }
+            Entry::SkippedStep { .. }
+            | Entry::WorkerStart { .. }
             | Entry::WorkerExit { .. }
             | Entry::CommittedFromCheckpoint { .. } => {}
         }

@@ -69,6 +69,8 @@ pub struct Metrics {
     pub last: Option<Value>,
     /// Monitor ticks written, the step of the `gpu*/` and `worker*/` scalars.
     ticks: i64,
+    /// Optimiser steps skipped for a NaN or infinity this session.
+    pub skipped_steps: u64,
 }
 
 /// Simulated acceptance length of a block: the expected number of draft tokens accepted in a
@@ -104,6 +106,7 @@ impl Metrics {
             group: Group::default(),
             last: None,
             ticks: 0,
+            skipped_steps: 0,
         })
     }
 
@@ -309,6 +312,9 @@ impl Metrics {
             g.correct.iter().sum::<u64>() as f64,
             g.counted.iter().sum::<u64>().max(1) as f64,
         );
+        if update.skipped.is_some() {
+            self.skipped_steps += 1;
+        }
         let line = json!({
             "epoch": epoch,
             "step": update.step,
@@ -323,6 +329,8 @@ impl Metrics {
             "anchors": g.anchors,
             "compute_s": g.compute_s,
             "checkpoint": update.checkpoint,
+            "skipped": update.skipped,
+            "skipped_steps": self.skipped_steps,
         });
         let time = self.line("train", line.clone())?;
         let mut values = vec![
@@ -331,6 +339,7 @@ impl Metrics {
             ("train/acceptance_length", acceptance_length(&accuracy)),
             ("train/lr", update.lr),
             ("train/grad_norm", update.grad_norm),
+            ("train/skipped_steps", self.skipped_steps as f64),
         ];
         let position_tags: Vec<String> = (1..=accuracy.len())
             .map(|k| format!("train/accuracy_pos{k}"))
@@ -348,6 +357,7 @@ impl Metrics {
             );
             p.set("dflash_train_learning_rate", update.lr);
             p.set("dflash_train_grad_norm", update.grad_norm);
+            p.set("dflash_train_skipped_steps", self.skipped_steps as f64);
         }
         self.last = Some(line.clone());
         Ok(Some(line))

@@ -28,7 +28,7 @@ use std::sync::atomic::Ordering;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use dflash_common::dflash::DflashSettings;
+use dflash_common::dflash::{DflashSettings, NonFinite};
 use dflash_common::ring::{Ring, SlotMeta};
 use dflash_common::wire::{BatchId, Event, Group, Job, Role, TrainMetrics};
 use ipc_channel::ipc::IpcSender;
@@ -106,6 +106,8 @@ impl RunConfig {
                 d.total_steps = 0;
                 d.token_budget = 0;
                 d.checkpoint_dir = PathBuf::new();
+                // May change on resume.
+                d.on_nonfinite = NonFinite::default();
                 d
             })
         };
@@ -507,7 +509,27 @@ impl Run {
                     self.rewind_to = Some(cursor);
                 }
             }
-            Event::Forwarded { id: batch_id } => {
+            Event::Forwarded {
+                id: batch_id,
+                nonfinite,
+            } => {
+                if let Some(what) = nonfinite {
+                    let at = format!(
+                        "batch {} of epoch {} (step {}), from target worker {id}",
+                        batch_id.batch, batch_id.epoch, batch_id.step
+                    );
+                    let skip = self
+                        .config
+                        .dflash
+                        .as_ref()
+                        .is_some_and(|d| d.on_nonfinite == NonFinite::Skip);
+                    if !skip {
+                        return Err(RunError::Failed(format!(
+                            "{what} in {at} (--on-nonfinite stop; resume with --on-nonfinite skip to skip such steps)"
+                        )));
+                    }
+                    tracing::warn!("{what} in {at}: the drafter skips its step");
+                }
                 self.dispatch.forwarded(id as usize).map_err(|_| {
                     RunError::Failed(format!(
                         "worker {id} reported a forward it was not given ({batch_id:?})"
@@ -538,6 +560,16 @@ impl Run {
                     t.2 = t.1.map_or(0.0, |at| at.elapsed().as_secs_f64());
                 }
                 if let Some(m) = metrics {
+                    if let Some(reason) = m.update.as_ref().and_then(|u| u.skipped.clone()) {
+                        self.journal
+                            .append(&Entry::SkippedStep {
+                                step: m.update.as_ref().map_or(0, |u| u.step),
+                                epoch: batch_id.epoch,
+                                batch: u64::from(batch_id.batch),
+                                reason,
+                            })
+                            .map_err(|e| RunError::Failed(format!("journal: {e}")))?;
+                    }
                     self.record(batch_id, batch, &m)?;
                 }
                 self.commit_ready()?;

@@ -124,6 +124,11 @@ const CHANGEABLE: &[(&str, Apply)] = &[
     ("synthetic-us-per-token", |run, session| {
         run.synthetic_us_per_token = session.synthetic_us_per_token
     }),
+    ("on-nonfinite", |run, session| {
+        if let (Some(r), Some(s)) = (run.dflash.as_mut(), session.dflash.as_ref()) {
+            r.on_nonfinite = s.on_nonfinite;
+        }
+    }),
 ];
 
 /// The names of the options a resume may change.
@@ -212,6 +217,7 @@ fn journal_path(flag: &str) -> Option<&'static [&'static str]> {
         "dtype" => &["dflash", "dtype"],
         "feature-dtype" => &["dflash", "feature_dtype"],
         "anchor-chunk" => &["dflash", "anchor_chunk"],
+        "on-nonfinite" => &["dflash", "on_nonfinite"],
         "gpus" => &["gpus"],
         "topology" => &["topology"],
         "metrics-addr" => &["metrics_addr"],
