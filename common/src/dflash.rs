@@ -25,6 +25,16 @@ pub struct DflashSettings {
     pub clip: f64,
     /// Loss decay over block positions, `exp(-(k - 1) / gamma)`; none: uniform.
     pub gamma: Option<f64>,
+    /// The training loss: cross-entropy on the data's next tokens, distillation of the target's
+    /// next-token distribution at each block position, or a mix of both.
+    #[serde(default)]
+    pub loss: LossKind,
+    /// Softmax temperature of the distillation (both distributions).
+    #[serde(default = "default_kd_temperature")]
+    pub kd_temperature: f64,
+    /// Share of distillation in the `mix` loss (the rest is cross-entropy).
+    #[serde(default = "default_kd_weight")]
+    pub kd_weight: f64,
     pub weight_decay: f64,
     /// Seed of the drafter's initial weights and of every step's anchors.
     pub seed: u64,
@@ -57,6 +67,59 @@ pub struct DflashSettings {
     /// fingerprint differs, naming the fields that differ.
     #[serde(default)]
     pub fingerprint: BTreeMap<String, String>,
+}
+
+fn default_kd_temperature() -> f64 {
+    1.0
+}
+
+fn default_kd_weight() -> f64 {
+    0.5
+}
+
+/// `--loss`: what the drafter learns from.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LossKind {
+    /// Cross-entropy against the data's next tokens.
+    #[default]
+    Ce,
+    /// Distillation: cross-entropy against the target's next-token distribution.
+    Kd,
+    /// `kd_weight` of distillation, the rest cross-entropy.
+    Mix,
+}
+
+impl LossKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            LossKind::Ce => "ce",
+            LossKind::Kd => "kd",
+            LossKind::Mix => "mix",
+        }
+    }
+}
+
+impl std::str::FromStr for LossKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "ce" => Ok(LossKind::Ce),
+            "kd" => Ok(LossKind::Kd),
+            "mix" => Ok(LossKind::Mix),
+            other => Err(format!("{other:?} is not ce, kd or mix")),
+        }
+    }
+}
+
+/// The published DFlash recipe's loss decay for a block size: γ = 7 for blocks of 16, 4 for
+/// blocks of 8; other sizes, half the block.
+pub fn default_gamma(block_size: usize) -> f64 {
+    match block_size {
+        16 => 7.0,
+        8 => 4.0,
+        b => (b as f64 / 2.0).max(1.0),
+    }
 }
 
 /// `--on-nonfinite`: what a NaN or infinity does to the run.
@@ -496,6 +559,12 @@ impl DflashSettings {
         if self.gamma.is_some_and(|g| !(g > 0.0 && g.is_finite())) {
             return Err("--gamma must be positive".into());
         }
+        if !(self.kd_temperature > 0.0 && self.kd_temperature.is_finite()) {
+            return Err("--kd-temperature must be positive".into());
+        }
+        if !(0.0..=1.0).contains(&self.kd_weight) {
+            return Err("--kd-weight must be in [0, 1]".into());
+        }
         if self.anchor_chunk == Some(0) {
             return Err("--anchor-chunk must be at least 1".into());
         }
@@ -505,9 +574,21 @@ impl DflashSettings {
         Ok(())
     }
 
-    /// Width of a token's features: the hidden states of every target layer id, concatenated.
+    /// The distillation's share of the loss and its temperature, when the loss distils.
+    pub fn distill(&self) -> Option<(f64, f64)> {
+        match self.loss {
+            LossKind::Ce => None,
+            LossKind::Kd => Some((1.0, self.kd_temperature)),
+            LossKind::Mix => Some((self.kd_weight, self.kd_temperature)),
+        }
+    }
+
+    /// Width of a token's features: the hidden states of every target layer id, concatenated,
+    /// then (when the loss distils) the target's last hidden state after its final norm, from
+    /// which the drafter computes the target's next-token distribution with the frozen lm_head.
     pub fn feature_width(&self, target: &Qwen3Config) -> u64 {
-        (self.target_layer_ids.len() * target.hidden_size) as u64
+        let states = self.target_layer_ids.len() + usize::from(self.distill().is_some());
+        (states * target.hidden_size) as u64
     }
 
     /// Bytes of a token's features in the feature ring.
@@ -515,8 +596,12 @@ impl DflashSettings {
         self.feature_width(target) * self.feature_dtype.bytes()
     }
 
-    /// Decoder layers a target worker runs (up to the last requested one).
-    pub fn target_layers_needed(&self) -> usize {
+    /// Decoder layers a target worker runs, of the target's `target_layers`: up to the last
+    /// requested one, or all of them when the loss distils.
+    pub fn target_layers_needed(&self, target_layers: usize) -> usize {
+        if self.distill().is_some() {
+            return target_layers;
+        }
         self.target_layer_ids.iter().max().map_or(0, |&l| l + 1)
     }
 
@@ -529,6 +614,19 @@ impl DflashSettings {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn loss_kinds_and_the_recipe_gammas() {
+        assert_eq!("kd".parse::<LossKind>(), Ok(LossKind::Kd));
+        assert_eq!(" mix".parse::<LossKind>(), Ok(LossKind::Mix));
+        assert!(
+            "KD".parse::<LossKind>()
+                .unwrap_err()
+                .contains("ce, kd or mix")
+        );
+        assert_eq!((default_gamma(16), default_gamma(8)), (7.0, 4.0));
+        assert_eq!((default_gamma(4), default_gamma(2)), (2.0, 1.0));
+    }
 
     #[test]
     fn on_nonfinite_reads_stop_or_skip_only() {

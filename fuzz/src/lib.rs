@@ -463,7 +463,7 @@ fn check_run(config: &RunConfig) {
     {
         let _ = (
             settings.feature_width(&target),
-            settings.target_layers_needed(),
+            settings.target_layers_needed(target.num_hidden_layers),
             settings.warmup_steps(),
         );
     }

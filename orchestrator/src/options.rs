@@ -20,6 +20,39 @@ pub fn positive(hi: f64, unit: &'static str) -> impl TypedValueParser<Value = f6
     })
 }
 
+/// `--gamma`: the recipe's value for the block size, none (uniform), or a value.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum GammaChoice {
+    Auto,
+    Uniform,
+    Is(f64),
+}
+
+impl GammaChoice {
+    /// The decay for blocks of `block_size` (`None`: uniform).
+    pub fn resolve(self, block_size: usize) -> Option<f64> {
+        match self {
+            GammaChoice::Auto => Some(dflash_common::dflash::default_gamma(block_size)),
+            GammaChoice::Uniform => None,
+            GammaChoice::Is(g) => Some(g),
+        }
+    }
+}
+
+/// `auto`, `none` or a decay above 0 and at most 1e6.
+pub fn gamma_choice() -> impl TypedValueParser<Value = GammaChoice> {
+    clap::builder::StringValueParser::new().try_map(|s: String| match s.trim() {
+        "auto" => Ok(GammaChoice::Auto),
+        "none" => Ok(GammaChoice::Uniform),
+        other => match parse_real(other, 0.0, 1e6, "") {
+            Ok(v) if v > 0.0 => Ok(GammaChoice::Is(v)),
+            _ => Err(format!(
+                "{other:?} is not auto, none or a number above 0 and at most 1e6"
+            )),
+        },
+    })
+}
+
 fn parse_real(s: &str, lo: f64, hi: f64, unit: &str) -> Result<f64, String> {
     let v: f64 = s
         .trim()

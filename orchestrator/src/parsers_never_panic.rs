@@ -54,6 +54,17 @@ proptest! {
         let _ = text.parse::<Mode>();
         let _ = text.parse::<Interleave>();
         let _ = text.parse::<OverlongPolicy>();
+        let _ = text.parse::<dflash_common::dflash::LossKind>();
+        let _ = text.parse::<dflash_common::dflash::NonFinite>();
+        let gamma = crate::options::gamma_choice();
+        let cmd = clap::Command::new("t");
+        let _ = clap::builder::TypedValueParser::parse_ref(
+            &gamma,
+            &cmd,
+            None,
+            std::ffi::OsStr::new(&text),
+        )
+        .map(|g| g.resolve(16));
     }
 
     #[test]

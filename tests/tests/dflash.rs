@@ -99,6 +99,13 @@ fn effective_commits(run_dir: &Path) -> Vec<(u64, u64, u64, u64)> {
     commits
 }
 
+/// `state.json` of the checkpoint `latest` names.
+fn latest_state(run_dir: &Path) -> Value {
+    let root = run_dir.join("checkpoints");
+    let latest = fs::read_to_string(root.join("latest")).unwrap();
+    serde_json::from_slice(&fs::read(root.join(latest.trim()).join("state.json")).unwrap()).unwrap()
+}
+
 /// The final drafter weights: `model.safetensors` of the checkpoint `latest` names.
 fn final_weights(run_dir: &Path) -> Vec<u8> {
     let root = run_dir.join("checkpoints");
@@ -128,20 +135,7 @@ fn reference_with(target: &Path, extra: &[&str]) -> Reference {
         assert_eq!(c.0, i as u64, "plan order");
     }
     assert!(journal_events(&run_dir, "rewind").is_empty());
-    let state: Value = serde_json::from_slice(
-        &fs::read(
-            run_dir
-                .join("checkpoints")
-                .join(
-                    fs::read_to_string(run_dir.join("checkpoints/latest"))
-                        .unwrap()
-                        .trim(),
-                )
-                .join("state.json"),
-        )
-        .unwrap(),
-    )
-    .unwrap();
+    let state = latest_state(&run_dir);
     assert_eq!(state["plan_cursor"].as_u64(), Some(commits.len() as u64));
     Reference {
         commits,
@@ -815,4 +809,45 @@ fn a_nan_in_the_features_stops_the_run_or_skips_the_step() {
             .all(|l| l["loss"].as_f64().unwrap().is_finite())
     );
     assert_eq!(journal_events(&run_dir, "end")[0]["status"], "completed");
+}
+
+/// `--loss kd` end to end: the target workers hand over their last hidden state too, the drafter
+/// distils the target's distribution through the frozen lm_head, and the loss falls; the run's
+/// fingerprint names the loss, so a checkpoint of a cross-entropy run is not resumed into it.
+#[test]
+fn a_distillation_run_trains_and_its_loss_is_in_the_fingerprint() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = tiny_target(dir.path());
+    let run_dir = dir.path().join("run");
+    let flags = [
+        "--loss",
+        "kd",
+        "--kd-temperature",
+        "2",
+        "--target-layer-ids",
+        "1,2",
+    ];
+    finish(launch_with(&run_dir, &target, &flags).spawn().unwrap());
+    let lines: Vec<Value> = fs::read_to_string(run_dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|l| l["kind"] == "train")
+        .collect();
+    let loss = |l: &Value| l["loss"].as_f64().unwrap();
+    let tenth = lines.len() / 5;
+    let early: f64 = lines[..tenth].iter().map(loss).sum::<f64>() / tenth as f64;
+    let late: f64 = lines[lines.len() - tenth..].iter().map(loss).sum::<f64>() / tenth as f64;
+    assert!(late < early, "loss {early} -> {late}");
+    let state = latest_state(&run_dir);
+    let reference = reference_with(&target, &["--target-layer-ids", "1,2"]);
+    let ce_state = latest_state(&reference.run_dir);
+    assert_ne!(
+        state["fingerprint"]["loss"],
+        ce_state["fingerprint"]["loss"]
+    );
+    assert_eq!(
+        state["fingerprint"]["data"],
+        ce_state["fingerprint"]["data"]
+    );
 }

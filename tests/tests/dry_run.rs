@@ -130,6 +130,34 @@ fn the_plan_is_linear_in_the_budget_and_follows_the_dtypes() {
     );
     let f32_features = at("16384", "f32");
     assert!(n(&f32_features, "drafter", "features") > n(&small, "drafter", "features"));
+    // Distillation: the target's last hidden state joins the 5 layers' (6/5 of the features),
+    // every layer of the target runs, and the teacher's logits join the drafter's.
+    let distilled = plan_json(
+        &target,
+        &run_dir,
+        &[
+            "--gpus",
+            "0-7",
+            "--gpu-memory",
+            "141",
+            "--token-budget",
+            "16384",
+            "--max-len",
+            "8192",
+            "--feature-dtype",
+            "bf16",
+            "--dtype",
+            "bf16",
+            "--loss",
+            "kd",
+        ],
+    );
+    assert_eq!(
+        5 * n(&distilled, "drafter", "features"),
+        6 * n(&small, "drafter", "features")
+    );
+    assert!(n(&distilled, "target", "weights") > n(&small, "target", "weights"));
+    assert!(distilled["shm_bytes"].as_u64() > small["shm_bytes"].as_u64());
     let chunk = small["plan"]["anchor_chunk"].as_u64().expect("a chunk");
     assert!((1..512).contains(&chunk), "{chunk}");
     assert_eq!(small["gpus"].as_array().unwrap().len(), 8);
@@ -189,6 +217,18 @@ fn bad_dry_run_values_are_refused() {
         (
             vec!["--gpus", "cpu:2", "--anchor-chunk", "many"],
             "--anchor-chunk",
+        ),
+        (vec!["--gpus", "cpu:2", "--gamma", "0"], "--gamma"),
+        (vec!["--gpus", "cpu:2", "--gamma", "uniform"], "--gamma"),
+        (vec!["--gpus", "cpu:2", "--loss", "mse"], "--loss"),
+        (vec!["--gpus", "cpu:2", "--kd-weight", "1.5"], "--kd-weight"),
+        (
+            vec!["--gpus", "cpu:2", "--kd-temperature", "0"],
+            "--kd-temperature",
+        ),
+        (
+            vec!["--gpus", "cpu:2", "--on-nonfinite", "ignore"],
+            "--on-nonfinite",
         ),
     ] {
         assert_refused(&dry_run(&target, &run_dir, &flags), 2, needle);

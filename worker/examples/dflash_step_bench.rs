@@ -248,7 +248,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             &sequences,
             &embedding,
             &lm_head,
-            args.gamma,
+            dflash_worker::model::drafter::Objective {
+                gamma: args.gamma,
+                distill: None,
+            },
             args.anchor_chunk,
             1,
         )?;

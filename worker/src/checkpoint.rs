@@ -822,7 +822,15 @@ mod resume_tests {
             let emb = Tensor::from_vec(e, (20, 16), &dev).unwrap();
             let tokens: Vec<u32> = (0..8).map(|i| (i * 3 + step as u32) % 20).collect();
             let (loss, _) = d
-                .loss(&features, &tokens, &[1; 8], &[1, 4], &emb, &emb, None)
+                .loss(
+                    &features,
+                    &tokens,
+                    &[1; 8],
+                    &[1, 4],
+                    &emb,
+                    &emb,
+                    Default::default(),
+                )
                 .unwrap();
             let vars: Vec<_> = d.params.iter().map(|p| p.var.clone()).collect();
             opt.step(&grads_of(&loss.backward().unwrap(), &vars), 1e-2)

@@ -20,7 +20,7 @@ use dflash_common::ring::{
 use dflash_common::wire::{BatchId, Group, SlotRef, TrainMetrics, Update};
 
 use crate::checkpoint::{self, TrainingState};
-use crate::model::drafter::{Drafter, DrafterConfig};
+use crate::model::drafter::{Drafter, DrafterConfig, Objective};
 use crate::model::qwen3::{self, Qwen3};
 use crate::rng::SplitMix64;
 use crate::stage::{Stage, check_written, claim};
@@ -157,18 +157,29 @@ pub struct TargetStage {
 
 impl TargetStage {
     pub fn new(settings: &DflashSettings, device: &Device) -> Result<Self, String> {
+        let config = qwen3::read_config(&settings.target_model).map_err(err)?;
+        let full = config.num_hidden_layers;
         let model = Qwen3::load(
             &settings.target_model,
-            Some(settings.target_layers_needed()),
+            Some(settings.target_layers_needed(full)),
             device,
             dtype(settings.dtype),
         )
         .map_err(err)?;
         settings.check(&model.config)?;
+        // Distillation: the last hidden state (after the final norm) goes along, named in
+        // messages as the last layer's.
+        let distill = settings.distill().is_some();
+        let mut indices: Vec<usize> = settings.target_layer_ids.iter().map(|l| l + 1).collect();
+        let mut layer_ids = settings.target_layer_ids.clone();
+        if distill {
+            indices.push(full);
+            layer_ids.push(full - 1);
+        }
         Ok(Self {
             model,
-            indices: settings.target_layer_ids.iter().map(|l| l + 1).collect(),
-            layer_ids: settings.target_layer_ids.clone(),
+            indices,
+            layer_ids,
             poison: crate::faults::poison_token(),
             budget: settings.token_budget,
             feature_dtype: dtype(settings.feature_dtype),
@@ -380,6 +391,8 @@ pub struct DrafterStage {
     hf_config: serde_json::Value,
     device: Device,
     width: usize,
+    /// The target's decoder layers.
+    target_layers: usize,
     /// Optimiser steps taken.
     step: u64,
     /// Batches of the run in the weights (the plan position after the last update).
@@ -457,7 +470,8 @@ impl DrafterStage {
                 warmup: settings.warmup_steps(),
                 total: settings.total_steps,
             },
-            width: settings.target_layer_ids.len() * target.hidden_size,
+            width: settings.feature_width(&target) as usize,
+            target_layers: target.num_hidden_layers,
             settings: settings.clone(),
             drafter,
             opt,
@@ -590,7 +604,12 @@ impl Stage for DrafterStage {
             "batch {} of epoch {} (step {})",
             id.batch, id.epoch, id.step
         );
-        let poisoned = nonfinite_layer(&all, &self.settings.target_layer_ids)?;
+        let mut layers = self.settings.target_layer_ids.clone();
+        if self.settings.distill().is_some() {
+            // The last hidden state, named as the last layer's.
+            layers.push(self.target_layers - 1);
+        }
+        let poisoned = nonfinite_layer(&all, &layers)?;
         if let Some(layer) = poisoned {
             self.nonfinite(format!(
                 "the features of {at_batch} hold a NaN or infinity at target layer {layer}"
@@ -622,7 +641,10 @@ impl Stage for DrafterStage {
                 &sequences,
                 &self.embedding,
                 &self.lm_head,
-                self.settings.gamma,
+                Objective {
+                    gamma: self.settings.gamma,
+                    distill: self.settings.distill(),
+                },
                 self.settings.anchor_chunk,
                 group.len as usize,
             )

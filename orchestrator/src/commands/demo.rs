@@ -34,6 +34,11 @@ pub struct DemoArgs {
     #[arg(long, value_name = "N", default_value_t = 6, value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub epochs: u32,
 
+    /// The drafter's loss: ce, kd (distillation of the target's distribution) or mix (see
+    /// `launch --help`).
+    #[arg(long, value_name = "ce|kd|mix", default_value = "ce")]
+    pub loss: dflash_common::dflash::LossKind,
+
     /// Seed of the data, the target, the plans and the drafter.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -478,6 +483,8 @@ pub fn run(args: DemoArgs) -> Result<(), CliError> {
         "3e-3",
         "--save-every",
         "25",
+        "--loss",
+        args.loss.name(),
     ]
     .iter()
     .map(|s| s.to_string())

@@ -160,10 +160,26 @@ pub struct DflashFlags {
     #[arg(long, value_name = "NORM", default_value_t = 1.0, value_parser = options::positive(1e6, ""))]
     pub clip: f64,
 
-    /// Loss decay over block positions, exp(-(k-1)/GAMMA), GAMMA above 0 and at most 1e6
-    /// [default: none, uniform].
-    #[arg(long, value_name = "GAMMA", value_parser = options::positive(1e6, ""))]
-    pub gamma: Option<f64>,
+    /// Loss decay over block positions, exp(-(k-1)/GAMMA): auto (the published recipe: 7 for
+    /// blocks of 16, 4 for blocks of 8, half the block otherwise), none (uniform), or GAMMA above 0
+    /// and at most 1e6.
+    #[arg(long, value_name = "auto|none|GAMMA", default_value = "auto", value_parser = options::gamma_choice())]
+    pub gamma: options::GammaChoice,
+
+    /// The loss: ce (cross-entropy on the data's next tokens), kd (distillation of the target's
+    /// next-token distribution at each block position: the target workers also hand over their
+    /// last hidden state, and the drafter applies the frozen lm_head), or mix (--kd-weight of kd,
+    /// the rest ce).
+    #[arg(long, value_name = "ce|kd|mix", default_value = "ce")]
+    pub loss: dflash_common::dflash::LossKind,
+
+    /// Softmax temperature of the distillation (above 0, at most 100).
+    #[arg(long, value_name = "T", default_value_t = 1.0, value_parser = options::positive(100.0, ""))]
+    pub kd_temperature: f64,
+
+    /// Share of distillation in --loss mix; 0 to 1.
+    #[arg(long, value_name = "W", default_value_t = 0.5, value_parser = options::real(0.0, 1.0, ""))]
+    pub kd_weight: f64,
 
     /// AdamW weight decay; 0 to 1.
     #[arg(long, value_name = "WD", default_value_t = 0.01, value_parser = options::real(0.0, 1.0, ""))]
@@ -228,7 +244,10 @@ impl DflashFlags {
             lr: self.lr,
             warmup_ratio: self.warmup_ratio,
             clip: self.clip,
-            gamma: self.gamma,
+            gamma: self.gamma.resolve(usize::from(self.block_size)),
+            loss: self.loss,
+            kd_temperature: self.kd_temperature,
+            kd_weight: self.kd_weight,
             weight_decay: self.weight_decay,
             seed,
             save_every: self.save_every,

@@ -23,8 +23,12 @@ pub(super) fn check(
     let invalid = |e: String| RunError::Invalid(e);
     let dir = &settings.target_model;
     let target = dflash::read_config(dir).map_err(|e| invalid(format!("--target-model {e}")))?;
-    dflash::check_weights(dir, &target, settings.target_layers_needed())
-        .map_err(|e| invalid(format!("--target-model {e}")))?;
+    dflash::check_weights(
+        dir,
+        &target,
+        settings.target_layers_needed(target.num_hidden_layers),
+    )
+    .map_err(|e| invalid(format!("--target-model {e}")))?;
     settings.check(&target).map_err(invalid)?;
     let vocab = target.vocab_size as u64;
     match tokens {
@@ -173,7 +177,15 @@ pub(super) fn fingerprint(
         ),
         (
             "loss",
-            digest([json(serde_json::json!({ "gamma": settings.gamma })).as_slice()]),
+            // Runs from before the loss could distil keep their fingerprint.
+            digest([json(match settings.distill() {
+                None => serde_json::json!({ "gamma": settings.gamma }),
+                Some(_) => serde_json::json!({
+                    "gamma": settings.gamma, "loss": settings.loss,
+                    "kd_temperature": settings.kd_temperature, "kd_weight": settings.kd_weight,
+                }),
+            })
+            .as_slice()]),
         ),
         (
             "precision",

@@ -394,10 +394,12 @@ pub fn dry_run(config: &RunConfig, gpu_memory: Option<u64>) -> Result<DryRun, Ru
         let checked = dflash_common::dflash::read_config(dir)
             .map_err(|e| RunError::Invalid(format!("--target-model {e}")))?;
         match dflash_common::dflash::weight_files(dir) {
-            Ok(_) => {
-                dflash_common::dflash::check_weights(dir, &checked, settings.target_layers_needed())
-                    .map_err(|e| RunError::Invalid(format!("--target-model {e}")))?
-            }
+            Ok(_) => dflash_common::dflash::check_weights(
+                dir,
+                &checked,
+                settings.target_layers_needed(checked.num_hidden_layers),
+            )
+            .map_err(|e| RunError::Invalid(format!("--target-model {e}")))?,
             Err(e) => notes.push(format!(
                 "the target's weights were not checked ({e}): a launch needs them"
             )),

@@ -127,8 +127,8 @@ pub fn target_worker(
     let sh = Shape::of(target);
     let e = s.dtype.bytes() as f64;
     let (budget, max_len) = (budget as f64, max_len as f64);
-    let layers = s.target_layers_needed() as f64;
-    let kept = s.target_layer_ids.len() as f64;
+    let layers = s.target_layers_needed(target.num_hidden_layers) as f64;
+    let kept = (s.feature_width(target) / target.hidden_size.max(1) as u64) as f64;
     let tile = 512.0;
     let (q, kv) = (sh.heads * sh.head_dim, sh.kv_heads * sh.head_dim);
     // A layer's peak is at its MLP or at its attention, whichever holds more.
@@ -178,8 +178,14 @@ fn chunk_bytes(target: &Qwen3Config, s: &DflashSettings, chunk: f64, context: f6
     let other = layers
         * tokens
         * (DRAFTER_HIDDEN_COPIES * sh.hidden * e + DRAFTER_MLP_COPIES * sh.inter * e)
-        + LOGIT_COPIES * tokens * sh.vocab * 4.0;
+        + logit_copies(s) * tokens * sh.vocab * 4.0;
     (scores, other)
+}
+
+/// Copies of a chunk's `[tokens, vocab]` f32 logits: the drafter's and, when the loss distils,
+/// the target's distribution (its logits and their softmax).
+fn logit_copies(s: &DflashSettings) -> f64 {
+    LOGIT_COPIES + if s.distill().is_some() { 2.0 } else { 0.0 }
 }
 
 /// The anchor chunk `--anchor-chunk auto` picks: as many anchors as keep one chunk's activations
@@ -214,6 +220,7 @@ pub fn drafter_worker(
     let fe = s.feature_dtype.bytes() as f64;
     let (budget, max_len) = (budget as f64, max_len as f64);
     let n = s.target_layer_ids.len() as f64;
+    let width = s.feature_width(target) as f64;
     let layers = s.draft_layers as f64;
     let params = sh.hidden * n * sh.hidden + sh.hidden * 2.0 + layers * sh.layer_params();
     let heads_matrices = if target.tie_word_embeddings { 1.0 } else { 2.0 };
@@ -232,7 +239,7 @@ pub fn drafter_worker(
         activations: bytes(other + context),
         attention: bytes(scores),
         // The batch's features out of the ring, and one sequence's in the compute dtype.
-        features: bytes(budget * n * sh.hidden * fe + max_len * n * sh.hidden * e),
+        features: bytes(budget * width * fe + max_len * width * e),
         // Accumulated gradients, one chunk's gradients, AdamW's two moments.
         optimiser: bytes(4.0 * params * 4.0),
         total: 0,

@@ -7,7 +7,10 @@
 //! `[context ; block]`: a block sees the context strictly before its anchor, sees itself
 //! bidirectionally, and never sees other blocks. A final RMSNorm and the target's frozen lm_head
 //! give logits; block position `k >= 1` predicts token `anchor + k`, cross-entropy weighted
-//! `exp(-(k - 1) / gamma)` (or 1 without gamma) over positions whose loss mask is set.
+//! `exp(-(k - 1) / gamma)` (or 1 without gamma) over positions whose loss mask is set. With
+//! distillation the target at position `anchor + k - 1` teaches position k instead (or as a
+//! share): cross-entropy against the target's next-token distribution, both softmaxes at a
+//! temperature T, scaled by T².
 //!
 //! Everything here is built from candle ops that carry gradients (the fused norm, rope and softmax
 //! kernels of candle-nn do not), and the weights are initialised from our own seeded generator.
@@ -43,6 +46,17 @@ pub struct LossParts {
     pub weight: f64,
     /// Per block position: (correct, counted) predictions.
     pub accuracy: Vec<(u32, u32)>,
+}
+
+/// What the loss is made of.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Objective {
+    /// Decay over block positions, `exp(-(k - 1) / gamma)`; none: uniform.
+    pub gamma: Option<f64>,
+    /// Distillation: its share of the loss (the rest is cross-entropy on the tokens) and its
+    /// temperature. The features then end with the target's last hidden state (after its final
+    /// norm), `hidden` columns after the `n·hidden` of `target_layer_ids`.
+    pub distill: Option<(f64, f64)>,
 }
 
 /// A trainable tensor with its checkpoint name.
@@ -199,10 +213,10 @@ impl Drafter {
         anchors: &[usize],
         embedding: &Tensor,
         lm_head: &Tensor,
-        gamma: Option<f64>,
+        objective: Objective,
     ) -> candle_core::Result<(Tensor, Vec<(u32, u32)>)> {
         let parts = self.loss_parts(
-            features, tokens, loss_mask, anchors, embedding, lm_head, gamma,
+            features, tokens, loss_mask, anchors, embedding, lm_head, objective,
         )?;
         Ok(((parts.sum / parts.weight.max(1e-9))?, parts.accuracy))
     }
@@ -211,7 +225,8 @@ impl Drafter {
     /// over all its positions.
     ///
     /// - `features`: `[seq, n·hidden]`, the target's hidden states at `target_layer_ids`,
-    ///   concatenated in that order (any float dtype);
+    ///   concatenated in that order (any float dtype), then with distillation the target's last
+    ///   hidden state;
     /// - `tokens`, `loss_mask`: the sequence (`loss_mask` 0/1);
     /// - `anchors`: block starts, sorted (each with `loss_mask` set);
     /// - `embedding`, `lm_head`: the target's frozen `[vocab, hidden]` matrices, in the compute
@@ -231,18 +246,47 @@ impl Drafter {
         anchors: &[usize],
         embedding: &Tensor,
         lm_head: &Tensor,
-        gamma: Option<f64>,
+        objective: Objective,
     ) -> candle_core::Result<LossParts> {
-        let context = self.context(features)?;
+        let (features, teacher) = self.split(features, objective)?;
+        let context = self.context(&features)?;
         self.blocks(
-            &context, tokens, loss_mask, anchors, embedding, lm_head, gamma,
+            &context,
+            teacher.as_ref(),
+            tokens,
+            loss_mask,
+            anchors,
+            embedding,
+            lm_head,
+            objective,
         )
+    }
+
+    /// A sequence's features for the context, and with distillation the target's last hidden
+    /// states that follow them.
+    fn split(
+        &self,
+        features: &Tensor,
+        objective: Objective,
+    ) -> candle_core::Result<(Tensor, Option<Tensor>)> {
+        let width = self.config.target_layer_ids.len() * self.config.hidden;
+        if objective.distill.is_none() {
+            return Ok((features.clone(), None));
+        }
+        Ok((
+            features.narrow(1, 0, width)?.contiguous()?,
+            Some(
+                features
+                    .narrow(1, width, self.config.hidden)?
+                    .contiguous()?,
+            ),
+        ))
     }
 
     /// The sum of the loss weights of one sequence's blocks (what [`LossParts::weight`] will be),
     /// computed on the host before any block, so that chunks can be scaled by the batch total.
-    pub fn loss_weight(&self, loss_mask: &[u8], anchors: &[usize], gamma: Option<f64>) -> f64 {
-        let weights = block_weights(loss_mask, anchors, self.config.block_size, gamma);
+    pub fn loss_weight(&self, loss_mask: &[u8], anchors: &[usize], objective: Objective) -> f64 {
+        let weights = block_weights(loss_mask, anchors, self.config.block_size, objective.gamma);
         f64::from(weights.iter().sum::<f32>())
     }
 
@@ -307,12 +351,13 @@ impl Drafter {
     pub fn blocks(
         &self,
         context: &[(Tensor, Tensor)],
+        teacher: Option<&Tensor>,
         tokens: &[u32],
         loss_mask: &[u8],
         anchors: &[usize],
         embedding: &Tensor,
         lm_head: &Tensor,
-        gamma: Option<f64>,
+        objective: Objective,
     ) -> candle_core::Result<LossParts> {
         let c = &self.config;
         let dev = embedding.device();
@@ -326,13 +371,37 @@ impl Drafter {
             .matmul(&lm_head.to_dtype(cdt)?.t()?)?
             .to_dtype(DType::F32)?;
         // Targets and weights: position k of block i predicts tokens[anchor + k].
-        let (targets, weights) = targets_and_weights(tokens, loss_mask, anchors, b, gamma);
+        let (targets, weights) =
+            targets_and_weights(tokens, loss_mask, anchors, b, objective.gamma);
         let targets_t = Tensor::from_vec(targets.clone(), a * b, dev)?;
         let log_probs = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
-        let picked = log_probs.gather(&targets_t.unsqueeze(1)?, 1)?.squeeze(1)?;
+        let mut per_position = log_probs
+            .gather(&targets_t.unsqueeze(1)?, 1)?
+            .squeeze(1)?
+            .neg()?;
+        if let (Some((share, t)), Some(teacher)) = (objective.distill, teacher) {
+            // Position k of the block at `anchor` is taught by the target at anchor + k - 1.
+            let last = teacher.dim(0)?.saturating_sub(1);
+            let rows: Vec<u32> = anchors
+                .iter()
+                .flat_map(|&anchor| {
+                    (0..b).map(move |k| (anchor + k).saturating_sub(1).min(last) as u32)
+                })
+                .collect();
+            let taught = teacher
+                .index_select(&Tensor::from_vec(rows, a * b, dev)?, 0)?
+                .to_dtype(cdt)?
+                .matmul(&lm_head.to_dtype(cdt)?.t()?)?
+                .to_dtype(DType::F32)?
+                .detach();
+            let target_probs = candle_nn::ops::softmax(&(taught / t)?, D::Minus1)?;
+            let student = candle_nn::ops::log_softmax(&(&logits / t)?, D::Minus1)?;
+            let kd = ((target_probs * student)?.sum(D::Minus1)?.neg()? * (t * t))?;
+            per_position = ((per_position * (1.0 - share))? + (kd * share)?)?;
+        }
         let total: f32 = weights.iter().sum();
         let w_t = Tensor::from_vec(weights.clone(), a * b, dev)?;
-        let sum = picked.mul(&w_t)?.sum_all()?.neg()?;
+        let sum = per_position.mul(&w_t)?.sum_all()?;
         // Accuracy per block position.
         let predicted = logits.argmax(D::Minus1)?.to_vec1::<u32>()?;
         let mut acc = vec![(0u32, 0u32); b];
@@ -537,12 +606,13 @@ impl Drafter {
         anchors: &[usize],
         embedding: &Tensor,
         lm_head: &Tensor,
-        gamma: Option<f64>,
+        objective: Objective,
         scale: f64,
         chunk: Option<usize>,
     ) -> candle_core::Result<(Grads, SequenceLoss)> {
         let vars: Vec<Var> = self.params.iter().map(|p| p.var.clone()).collect();
-        let context = self.context(features)?;
+        let (features, teacher) = self.split(features, objective)?;
+        let context = self.context(&features)?;
         let mut total = SequenceLoss {
             sum: 0.0,
             weight: 0.0,
@@ -560,7 +630,14 @@ impl Drafter {
         let chunk = chunk.unwrap_or(usize::MAX).max(1);
         if anchors.len() <= chunk {
             let parts = self.blocks(
-                &context, tokens, loss_mask, anchors, embedding, lm_head, gamma,
+                &context,
+                teacher.as_ref(),
+                tokens,
+                loss_mask,
+                anchors,
+                embedding,
+                lm_head,
+                objective,
             )?;
             add_parts(&parts)?;
             let grads = grads_of(&(parts.sum * scale)?.backward()?, &vars);
@@ -583,7 +660,14 @@ impl Drafter {
         let mut context_grads: Vec<[Option<Tensor>; 2]> = vec![[None, None]; context.len()];
         for part in anchors.chunks(chunk) {
             let parts = self.blocks(
-                &detached, tokens, loss_mask, part, embedding, lm_head, gamma,
+                &detached,
+                teacher.as_ref(),
+                tokens,
+                loss_mask,
+                part,
+                embedding,
+                lm_head,
+                objective,
             )?;
             add_parts(&parts)?;
             let store = (parts.sum * scale)?.backward()?;
@@ -652,14 +736,14 @@ impl Drafter {
         sequences: &[(std::ops::Range<usize>, Vec<usize>)],
         embedding: &Tensor,
         lm_head: &Tensor,
-        gamma: Option<f64>,
+        objective: Objective,
         chunk: Option<usize>,
         accum: usize,
     ) -> candle_core::Result<(Option<Grads>, MicroBatchLoss)> {
         let block = self.config.block_size;
         let weight: f64 = sequences
             .iter()
-            .map(|(range, anchors)| self.loss_weight(&loss_mask[range.clone()], anchors, gamma))
+            .map(|(range, anchors)| self.loss_weight(&loss_mask[range.clone()], anchors, objective))
             .sum();
         let mut out = MicroBatchLoss {
             loss: 0.0,
@@ -688,7 +772,7 @@ impl Drafter {
                     anchors,
                     embedding,
                     lm_head,
-                    gamma,
+                    objective,
                 )?;
                 out.anchors += anchors.len() as u32;
                 for (k, (c, n)) in parts.accuracy.into_iter().enumerate() {
@@ -717,7 +801,7 @@ impl Drafter {
                 anchors,
                 embedding,
                 lm_head,
-                gamma,
+                objective,
                 scale,
                 chunk,
             )?;
@@ -783,6 +867,15 @@ fn block_weights(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const UNIFORM: Objective = Objective {
+        gamma: None,
+        distill: None,
+    };
+    const DECAY7: Objective = Objective {
+        gamma: Some(7.0),
+        distill: None,
+    };
     use crate::train::grads_of;
 
     fn setup() -> (Drafter, Tensor, Tensor, Tensor, Vec<u32>, Vec<u8>) {
@@ -830,7 +923,7 @@ mod tests {
                 &[2, 5, 9],
                 &embedding,
                 &lm_head,
-                Some(7.0),
+                DECAY7,
             )
             .unwrap();
         let value = loss.to_scalar::<f32>().unwrap();
@@ -902,6 +995,109 @@ mod tests {
         );
     }
 
+    /// The distillation loss: its gradient matches finite differences of the loss, a mix is the
+    /// weighted sum of cross-entropy and distillation, and the taught distribution is the
+    /// target's at the position before (a teacher that changes only past the last block's reach
+    /// leaves the loss alone).
+    #[test]
+    fn distillation_gradients_match_finite_differences() {
+        let (drafter, features, embedding, lm_head, tokens, mask) = setup();
+        let mut rng = SplitMix64(5);
+        let teacher: Vec<f32> = (0..12 * 32).map(|_| rng.normal() as f32).collect();
+        let teacher = Tensor::from_vec(teacher, (12, 32), &Device::Cpu).unwrap();
+        let with_teacher = Tensor::cat(&[&features, &teacher], 1).unwrap();
+        let anchors = [2usize, 5];
+        let objective = |share: f64| Objective {
+            gamma: Some(7.0),
+            distill: Some((share, 2.0)),
+        };
+        let loss_of = |f: &Tensor, o: Objective| {
+            drafter
+                .loss_parts(f, &tokens, &mask, &anchors, &embedding, &lm_head, o)
+                .unwrap()
+                .sum
+                .to_scalar::<f32>()
+                .unwrap() as f64
+        };
+        let (ce, kd, mix) = (
+            loss_of(&features, DECAY7),
+            loss_of(&with_teacher, objective(1.0)),
+            loss_of(&with_teacher, objective(0.3)),
+        );
+        assert!(kd.is_finite() && kd > 0.0 && (kd - ce).abs() > 1e-3);
+        assert!((mix - (0.7 * ce + 0.3 * kd)).abs() < 1e-4 * ce.abs().max(1.0));
+        // A target sure of each data token (its state at p points at token p + 1) teaches what
+        // cross-entropy on the tokens does.
+        let head = lm_head.to_vec2::<f32>().unwrap();
+        let sure: Vec<Vec<f32>> = (0..12)
+            .map(|p| {
+                let next = tokens[(p + 1).min(11)] as usize;
+                head[next].iter().map(|v| v * 60.0).collect()
+            })
+            .collect();
+        let sure = Tensor::cat(&[&features, &Tensor::new(sure, &Device::Cpu).unwrap()], 1).unwrap();
+        let one_t = |share| Objective {
+            gamma: Some(7.0),
+            distill: Some((share, 1.0)),
+        };
+        let taught = loss_of(&sure, one_t(1.0));
+        assert!((taught - ce).abs() < 1e-3 * ce, "kd {taught} vs ce {ce}");
+        // The blocks at 2 and 5 (block 4) are taught by positions 2..=7; position 8 on is unseen.
+        let mut later = teacher.to_vec2::<f32>().unwrap();
+        for row in later.iter_mut().skip(8) {
+            row.iter_mut().for_each(|v| *v += 3.0);
+        }
+        let later = Tensor::new(later, &Device::Cpu).unwrap();
+        let changed = Tensor::cat(&[&features, &later], 1).unwrap();
+        assert_eq!(loss_of(&changed, objective(1.0)), kd);
+
+        let parts = drafter
+            .loss_parts(
+                &with_teacher,
+                &tokens,
+                &mask,
+                &anchors,
+                &embedding,
+                &lm_head,
+                objective(1.0),
+            )
+            .unwrap();
+        let grads = parts.sum.backward().unwrap();
+        for name in ["fc.weight", "layers.1.mlp.up_proj.weight", "norm.weight"] {
+            let p = drafter.params.iter().find(|p| p.name == name).unwrap();
+            let g = grads.get(p.var.as_tensor()).unwrap();
+            let flat = g.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let (at, &analytic) = flat
+                .iter()
+                .enumerate()
+                .max_by(|a, b| a.1.abs().total_cmp(&b.1.abs()))
+                .unwrap();
+            let original = p
+                .var
+                .as_tensor()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            let eps = 1e-2f32;
+            let mut shifted = |delta: f32| {
+                let mut v = original.clone();
+                v[at] += delta;
+                p.var
+                    .set(&Tensor::from_vec(v, p.var.as_tensor().dims(), &Device::Cpu).unwrap())
+                    .unwrap();
+                loss_of(&with_teacher, objective(1.0))
+            };
+            let numeric = (shifted(eps) - shifted(-eps)) / (2.0 * f64::from(eps));
+            shifted(0.0);
+            let analytic = f64::from(analytic);
+            assert!(
+                (numeric - analytic).abs() <= 0.05 * analytic.abs() + 1e-3,
+                "{name}[{at}]: analytic {analytic}, numeric {numeric}"
+            );
+        }
+    }
+
     /// A block sees only the context before its anchor: changing later context leaves its loss
     /// unchanged, changing earlier context changes it.
     #[test]
@@ -909,7 +1105,7 @@ mod tests {
         let (drafter, features, embedding, lm_head, tokens, mask) = setup();
         let loss_of = |f: &Tensor| {
             drafter
-                .loss(f, &tokens, &mask, &[5], &embedding, &lm_head, None)
+                .loss(f, &tokens, &mask, &[5], &embedding, &lm_head, UNIFORM)
                 .unwrap()
                 .0
                 .to_scalar::<f32>()
@@ -946,13 +1142,7 @@ mod tests {
             for anchors in [[2usize, 5], [4, 8]] {
                 let (loss, _) = drafter
                     .loss(
-                        &features,
-                        &tokens,
-                        &mask,
-                        &anchors,
-                        &embedding,
-                        &lm_head,
-                        Some(7.0),
+                        &features, &tokens, &mask, &anchors, &embedding, &lm_head, DECAY7,
                     )
                     .unwrap();
                 losses.push(loss.to_scalar::<f32>().unwrap());
@@ -985,17 +1175,11 @@ mod tests {
         // The reference: one graph, the mean's gradient.
         let (loss, _) = drafter
             .loss(
-                &features,
-                &tokens,
-                &mask,
-                &anchors,
-                &embedding,
-                &lm_head,
-                Some(7.0),
+                &features, &tokens, &mask, &anchors, &embedding, &lm_head, DECAY7,
             )
             .unwrap();
         let want = grads_of(&loss.backward().unwrap(), &vars);
-        let weight = drafter.loss_weight(&mask, &anchors, Some(7.0));
+        let weight = drafter.loss_weight(&mask, &anchors, DECAY7);
         for chunk in [None, Some(6), Some(4), Some(2), Some(1)] {
             let (got, parts) = drafter
                 .backward(
@@ -1005,7 +1189,7 @@ mod tests {
                     &anchors,
                     &embedding,
                     &lm_head,
-                    Some(7.0),
+                    DECAY7,
                     1.0 / weight,
                     chunk,
                 )
@@ -1039,7 +1223,7 @@ mod tests {
                     anchors,
                     &embedding,
                     &lm_head,
-                    None,
+                    UNIFORM,
                 )
                 .unwrap();
             weight += parts.weight;
@@ -1054,7 +1238,7 @@ mod tests {
         for chunk in [None, Some(2)] {
             let (got, batch) = drafter
                 .micro_batch(
-                    &features, &tokens, &mask, &sequences, &embedding, &lm_head, None, chunk, 2,
+                    &features, &tokens, &mask, &sequences, &embedding, &lm_head, UNIFORM, chunk, 2,
                 )
                 .unwrap();
             assert_eq!(batch.anchors, 6);
@@ -1082,7 +1266,7 @@ mod tests {
         let anchors = [2usize, 5, 9];
         let (f32_loss, _) = drafter
             .loss(
-                &features, &tokens, &mask, &anchors, &embedding, &lm_head, None,
+                &features, &tokens, &mask, &anchors, &embedding, &lm_head, UNIFORM,
             )
             .unwrap();
         let bf = Drafter::new(drafter.config.clone(), 7, &Device::Cpu)
@@ -1097,7 +1281,7 @@ mod tests {
                 &anchors,
                 &to_bf(&embedding),
                 &to_bf(&lm_head),
-                None,
+                UNIFORM,
             )
             .unwrap();
         let (a, b) = (
