@@ -1080,7 +1080,7 @@ mod tests {
                 .to_vec1::<f32>()
                 .unwrap();
             let eps = 1e-2f32;
-            let mut shifted = |delta: f32| {
+            let shifted = |delta: f32| {
                 let mut v = original.clone();
                 v[at] += delta;
                 p.var
