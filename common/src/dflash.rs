@@ -61,6 +61,10 @@ pub struct DflashSettings {
     /// (naming where it appeared), or skip that optimiser step (journalled and counted).
     #[serde(default)]
     pub on_nonfinite: NonFinite,
+    /// The drafter also checkpoints every this many steps, for the run's served-acceptance
+    /// evaluations (`--eval-every`).
+    #[serde(default)]
+    pub eval_every: Option<u64>,
     /// The run fingerprint: for each thing that decides the trained weights (`target`, `data`,
     /// `planner`, `seed`, `optimiser`, `drafter`, `loss`, `precision`, `epochs`), a hex hash of
     /// it. Written into every checkpoint's `state.json`; a drafter refuses a checkpoint whose

@@ -687,7 +687,11 @@ impl Stage for DrafterStage {
             self.step += 1;
             self.cursor = id.step + 1;
             self.epoch = id.epoch;
-            let checkpoint = self.step.is_multiple_of(self.settings.save_every);
+            let checkpoint = self.step.is_multiple_of(self.settings.save_every)
+                || self
+                    .settings
+                    .eval_every
+                    .is_some_and(|n| n > 0 && self.step.is_multiple_of(n));
             if checkpoint {
                 self.save()?;
             }

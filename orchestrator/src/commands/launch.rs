@@ -204,6 +204,27 @@ pub struct DflashFlags {
     #[arg(long, value_name = "auto|f32|bf16", default_value = "auto", value_parser = options::dtype_choice())]
     pub feature_dtype: options::DtypeChoice,
 
+    /// Measure served acceptance every N optimiser steps and at the end: τ of the checkpoint
+    /// written at that step, by greedy speculative decoding with the target on held-out
+    /// prompts, in a process of its own while training goes on (the drafter checkpoints at
+    /// those steps too). May change on --resume.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=1_000_000_000))]
+    pub eval_every: Option<u64>,
+
+    /// The prompts of --eval-every (JSON lines as `eval --prompts` reads them) [default:
+    /// --eval-holdout samples of the store, held out of training].
+    #[arg(long, value_name = "FILE", requires = "eval_every")]
+    pub eval_prompts: Option<PathBuf>,
+
+    /// Samples of the store held out of every plan (chosen from the seed, never trained on)
+    /// whose prompts --eval-every decodes, when --eval-prompts is not given; 1 to 100000.
+    #[arg(long, value_name = "N", default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub eval_holdout: u32,
+
+    /// New tokens per prompt in --eval-every's decoding (1 to 1048576). May change on --resume.
+    #[arg(long, value_name = "N", default_value_t = 128, value_parser = clap::value_parser!(u32).range(1..=1_048_576))]
+    pub eval_max_new_tokens: u32,
+
     /// What a NaN or infinity in the features, the loss or the gradients does: stop (the run
     /// ends, naming the batch, the worker and the layer) or skip (that optimiser step is skipped,
     /// journalled and counted in metrics). May change on --resume.
@@ -218,6 +239,23 @@ pub struct DflashFlags {
 }
 
 impl DflashFlags {
+    /// `--eval-*`: the run's served-acceptance evaluations, when asked for.
+    pub fn eval(&self) -> Option<crate::runtime::eval::EvalConfig> {
+        Some(crate::runtime::eval::EvalConfig {
+            every: self.eval_every?,
+            prompts: self
+                .eval_prompts
+                .as_ref()
+                .map(|p| p.canonicalize().unwrap_or_else(|_| p.clone())),
+            holdout: if self.eval_prompts.is_some() {
+                0
+            } else {
+                self.eval_holdout
+            },
+            max_new_tokens: self.eval_max_new_tokens,
+        })
+    }
+
     /// The settings, with defaults that depend on the target filled in from its config.json and
     /// on the workers' devices (`gpu`: GPU workers) and the longest sequence (`max_len`).
     pub fn settings(&self, seed: u64, gpu: bool, max_len: u32) -> Result<DflashSettings, CliError> {
@@ -259,6 +297,7 @@ impl DflashFlags {
             feature_dtype: self.feature_dtype.resolve(gpu),
             anchor_chunk: None,
             on_nonfinite: self.on_nonfinite,
+            eval_every: self.eval_every,
             fingerprint: Default::default(),
         })
         .map(|mut settings| {
@@ -342,6 +381,7 @@ pub fn config_from_args(
         heartbeat_ms: ((args.heartbeat_timeout * 1000.0 / 10.0) as u64).clamp(20, 1000),
         monitor_interval_s: args.monitor_interval,
         metrics_addr: args.metrics_addr.clone(),
+        eval: dflash.as_ref().and(args.dflash.eval()),
         dflash,
         job_timeout_s: args.job_timeout.seconds(),
         stop_grace_s: args.stop_grace,
@@ -359,6 +399,13 @@ pub fn run(args: LaunchArgs) -> Result<(), CliError> {
         let given = runtime::resume::given_values(&args.given, &session);
         let (config, changes) =
             runtime::resume::merge(stored, &given, &session).map_err(CliError::Invalid)?;
+        if args.given.iter().any(|g| g == "eval-every") && config.eval.is_none() {
+            return Err(CliError::Invalid(
+                "--eval-every on --resume of a run planned without it needs --eval-prompts FILE \
+                 (holding samples of the store out would change the run's plans)"
+                    .into(),
+            ));
+        }
         (config, changes.into_iter().collect())
     } else {
         (config_from_args(&args, None)?, Default::default())

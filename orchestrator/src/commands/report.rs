@@ -77,6 +77,7 @@ struct Line {
     loss: Option<f64>,
     accuracy: Option<f64>,
     acceptance_length: Option<f64>,
+    tau: Option<f64>,
     tokens: Option<f64>,
     bucket: Option<Value>,
     real_tokens: Option<f64>,
@@ -170,6 +171,8 @@ struct Incident {
 struct Run {
     /// Train lines by optimiser step, the last line of a step kept.
     train: BTreeMap<u64, TrainPoint>,
+    /// Served acceptance (`eval` lines): τ by the step of the checkpoint evaluated.
+    served: BTreeMap<u64, f64>,
     /// Every batch line: (time, tokens/s, padded tokens/s).
     throughput: Vec<Reading>,
     /// Batch lines by plan step, the last line of a step kept (a replay writes its steps again).
@@ -194,6 +197,7 @@ impl Run {
     fn new() -> Run {
         Run {
             train: BTreeMap::new(),
+            served: BTreeMap::new(),
             throughput: Vec::new(),
             batches: BTreeMap::new(),
             unstepped: Vec::new(),
@@ -255,6 +259,12 @@ impl Run {
                         tokens: line.tokens,
                     },
                 );
+            }
+            "eval" => {
+                let step = line.step.ok_or("an `eval` line without `step`")?;
+                if let Some(tau) = line.tau.filter(|v| v.is_finite()) {
+                    self.served.insert(step, tau);
+                }
             }
             "batch" => {
                 let t = time()?;
@@ -679,6 +689,17 @@ fn header(h: &mut String, run_dir: &Path, run: &Run, journal: &Journal) {
     if let Some(line) = train_summary(run) {
         let _ = writeln!(h, "<p class=\"summary\">{}</p>", esc(&line));
     }
+    if let (Some((a, ta)), Some((b, tb))) =
+        (run.served.first_key_value(), run.served.last_key_value())
+    {
+        let _ = writeln!(
+            h,
+            "<p class=\"summary\">{}</p>",
+            esc(&format!(
+                "Served acceptance τ (speculative decoding of the held-out prompts, tokens per verify step): {ta:.2} at step {a} → {tb:.2} at step {b}."
+            ))
+        );
+    }
 }
 
 type TrainField = fn(&TrainPoint) -> Option<f64>;
@@ -789,6 +810,44 @@ fn train_section(h: &mut String, run: &Run) -> Result<(), CliError> {
     h.push_str(&draw_lines(&accuracy_chart)?);
     h.push_str("</div>\n");
     legend(h, &loss_chart.series);
+    if !run.served.is_empty() {
+        // Served τ beside the training proxy on the same scale: tokens per verify step are the
+        // accepted draft tokens plus the target's own, so the proxy plus one.
+        let served: Vec<(f64, f64)> = run.served.iter().map(|(&s, &t)| (s as f64, t)).collect();
+        let proxy: Vec<(f64, f64)> = pick(|p| p.acceptance)
+            .into_iter()
+            .map(|(s, a)| (s, a + 1.0))
+            .collect();
+        let chart = LineChart {
+            title: "Served acceptance and the training proxy",
+            x_desc: "optimiser step".into(),
+            y_desc: "tokens per verify step",
+            size: HALF,
+            x_range,
+            y_from_zero: true,
+            y_at_least: Some(1.0),
+            y_fmt: fmt_num,
+            series: vec![
+                Series {
+                    name: "training proxy + 1 (moving average)".into(),
+                    color: SERIES_COLORS[1],
+                    points: thin(&moving_average(&proxy)),
+                    faint: true,
+                },
+                Series {
+                    name: "served τ (speculative decoding, held-out prompts)".into(),
+                    color: SERIES_COLORS[2],
+                    points: served,
+                    faint: false,
+                },
+            ],
+            markers: None,
+        };
+        h.push_str("<div class=\"row\">\n");
+        h.push_str(&draw_lines(&chart)?);
+        h.push_str("</div>\n");
+        legend(h, &chart.series);
+    }
     Ok(())
 }
 

@@ -84,7 +84,7 @@ const GPU_SERIES: [(&str, &str); 9] = [
     ("dflash_gpu_sm_clock_hertz", "SM clock"),
 ];
 
-const RUN_SERIES: [(&str, &str); 13] = [
+const RUN_SERIES: [(&str, &str); 14] = [
     ("dflash_committed_steps", "Batches committed (plan steps)"),
     ("dflash_epoch", "Current epoch"),
     (
@@ -117,6 +117,10 @@ const RUN_SERIES: [(&str, &str); 13] = [
     (
         "dflash_train_grad_norm",
         "Gradient norm of the last step (before clipping)",
+    ),
+    (
+        "dflash_eval_tau",
+        "Served acceptance: mean tokens per verify step of speculative decoding on the held-out prompts, at the last evaluated checkpoint",
     ),
     (
         "dflash_train_skipped_steps",

@@ -16,6 +16,8 @@ pub enum Purpose {
     AutoBuckets = 3,
     /// The synthetic length workload.
     Synthetic = 4,
+    /// The samples held out of training for served-acceptance evaluation (epoch-independent).
+    HeldOut = 5,
 }
 
 const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;

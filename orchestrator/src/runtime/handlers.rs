@@ -99,6 +99,7 @@ impl Run {
                 "metrics_addr": self.metrics.prom.as_ref().map(|p| p.addr.to_string()),
                 "gpu_unavailable": self.monitor.unavailable,
                 "training": self.metrics.last,
+                "eval": self.metrics.last_eval,
             },
             "workers": workers,
         })

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use dflash_common::dflash::DflashSettings;
 use dflash_common::ring::{MAX_TOKEN_BUDGET, Ring, feature_data_bytes, input_data_bytes};
 use dflash_common::run_dir;
 use dflash_common::wire::Role;
@@ -571,7 +572,7 @@ pub fn launch(
         (Start::default(), false)
     };
 
-    let (lengths, mut tokens) = match (&config.data, config.synthetic) {
+    let (mut lengths, mut tokens) = match (&config.data, config.synthetic) {
         (Some(dir), _) => {
             let store = Store::open(dir).map_err(|e| RunError::Invalid(e.to_string()))?;
             (store.lengths(), Tokens::Store(Box::new(store)))
@@ -588,6 +589,16 @@ pub fn launch(
                 "pass --data STORE or --synthetic N".into(),
             ));
         }
+    };
+    let eval_prompts = match (&config.eval, &config.dflash) {
+        (Some(eval), Some(settings)) => Some(eval_prompts(
+            eval,
+            settings,
+            &tokens,
+            &mut lengths,
+            config.planner.seed,
+        )?),
+        _ => None,
     };
     let planner =
         Planner::new(lengths, plan_config).map_err(|e| RunError::Invalid(e.to_string()))?;
@@ -664,6 +675,22 @@ pub fn launch(
     let dflash_file = match &config.dflash {
         Some(settings) => Some(dflash_stage::write_settings(run_dir_path, settings)?),
         None => None,
+    };
+    let evaluator = match (&config.eval, &config.dflash, eval_prompts) {
+        (Some(eval), Some(settings), Some(prompts)) => {
+            super::eval::write_prompts(run_dir_path, &prompts)
+                .map_err(|e| RunError::Invalid(format!("eval prompts: {e}")))?;
+            // On a GPU run, the evaluations share the first GPU.
+            let gpu = devices.iter().find_map(|d| match d {
+                Device::Gpu(g) => Some(*g),
+                Device::Cpu(_) => None,
+            });
+            Some(
+                super::eval::Evaluator::new(eval.clone(), prompts, run_dir_path, settings, gpu)
+                    .map_err(RunError::Invalid)?,
+            )
+        }
+        _ => None,
     };
     let run_id = run_dir::run_id(run_dir_path);
     let nonce = {
@@ -804,6 +831,7 @@ pub fn launch(
         session_tokens: (0, 0),
         bucket_batches: Vec::new(),
         job_times: Default::default(),
+        evaluator,
         config,
     };
     let new_epoch = start.batch == 0 && start.epoch < run.config.epochs;
@@ -819,6 +847,58 @@ pub fn launch(
     let _ = std::fs::remove_file(run_dir::control_socket(&run.run_dir));
     remove_recorded_segments(&run.run_dir);
     result
+}
+
+/// The prompts of the run's evaluations, each checked against the target: the user's file, or
+/// the prompts of the store's held-out samples, whose lengths become 0 so that no plan holds them.
+fn eval_prompts(
+    eval: &super::eval::EvalConfig,
+    settings: &DflashSettings,
+    tokens: &Tokens,
+    lengths: &mut [u32],
+    seed: u64,
+) -> Result<Vec<Vec<u32>>, RunError> {
+    let target = dflash_common::dflash::read_config(&settings.target_model)
+        .map_err(|e| RunError::Invalid(format!("--target-model {e}")))?;
+    let max_new = eval.max_new_tokens as usize;
+    let named: Vec<(String, Vec<u32>)> = match (&eval.prompts, tokens) {
+        (Some(file), _) => crate::commands::eval::read_prompts(
+            file,
+            crate::ingest::chat::Template::ChatMl,
+            &settings.target_model.join("tokenizer.json"),
+            None,
+        )
+        .map_err(|e| RunError::Invalid(format!("--eval-prompts {e}")))?
+        .into_iter()
+        .map(|(line, ids)| (format!("{}:{line}", file.display()), ids))
+        .collect(),
+        (None, Tokens::Store(store)) => {
+            let held = super::eval::held_out(store.len(), eval.holdout as usize, seed);
+            let mut prompts = Vec::with_capacity(held.len());
+            for i in held {
+                lengths[i] = 0;
+                if let Some(p) = super::eval::prompt_of(store.tokens(i), store.loss_mask(i)) {
+                    prompts.push((format!("held-out sample {i}"), p));
+                }
+            }
+            prompts
+        }
+        (None, Tokens::Synthetic { .. }) => {
+            return Err(RunError::Invalid(
+                "--eval-every on --synthetic data needs --eval-prompts FILE (synthetic samples have no prompts)".into(),
+            ));
+        }
+    };
+    if named.is_empty() {
+        return Err(RunError::Invalid(
+            "--eval-every: none of the held-out samples has a prompt (tokens before its first loss token); pass --eval-prompts FILE".into(),
+        ));
+    }
+    for (at, ids) in &named {
+        crate::commands::eval::check_prompt(at, ids, &target, max_new)
+            .map_err(|e| RunError::Invalid(format!("--eval-every: {e}")))?;
+    }
+    Ok(named.into_iter().map(|(_, ids)| ids).collect())
 }
 
 /// The workers of the run, pinned: NUMA-local CPUs for GPU workers where NVML reports them,

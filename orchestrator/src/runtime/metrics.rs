@@ -71,6 +71,8 @@ pub struct Metrics {
     ticks: i64,
     /// Optimiser steps skipped for a NaN or infinity this session.
     pub skipped_steps: u64,
+    /// The newest served-acceptance evaluation's line.
+    pub last_eval: Option<Value>,
 }
 
 /// Simulated acceptance length of a block: the expected number of draft tokens accepted in a
@@ -107,6 +109,7 @@ impl Metrics {
             last: None,
             ticks: 0,
             skipped_steps: 0,
+            last_eval: None,
         })
     }
 
@@ -361,6 +364,32 @@ impl Metrics {
         }
         self.last = Some(line.clone());
         Ok(Some(line))
+    }
+
+    /// Writes a served-acceptance evaluation: τ by speculative decoding on the held-out prompts,
+    /// at the step of the checkpoint evaluated.
+    pub fn eval(&mut self, o: &super::eval::Outcome) -> io::Result<()> {
+        let line = json!({
+            "step": o.step,
+            "tau": o.tau,
+            "pooled_tau": o.pooled_tau,
+            "histogram": o.histogram,
+            "prompts": o.prompts,
+            "tokens": o.tokens,
+            "seconds": o.seconds,
+        });
+        let time = self.line("eval", line.clone())?;
+        self.scalars(
+            o.step as i64,
+            time,
+            &[("eval/tau", o.tau), ("eval/pooled_tau", o.pooled_tau)],
+        );
+        if let Some(p) = &self.prom {
+            p.set("dflash_eval_tau", o.tau);
+        }
+        self.last_eval = Some(line);
+        self.flush();
+        Ok(())
     }
 
     /// Forgets a partly summed group (the drafter restarted).

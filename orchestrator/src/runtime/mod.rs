@@ -10,6 +10,7 @@
 pub mod control;
 mod dflash_stage;
 pub mod dispatch;
+pub mod eval;
 mod feeder;
 mod handlers;
 pub mod journal;
@@ -74,6 +75,9 @@ pub struct RunConfig {
     /// killed (`--stop-grace`).
     #[serde(default = "default_stop_grace")]
     pub stop_grace_s: f64,
+    /// Served-acceptance evaluations during training (`--eval-every`).
+    #[serde(default)]
+    pub eval: Option<eval::EvalConfig>,
 }
 
 fn default_stop_grace() -> f64 {
@@ -108,10 +112,14 @@ impl RunConfig {
                 d.checkpoint_dir = PathBuf::new();
                 // May change on resume.
                 d.on_nonfinite = NonFinite::default();
+                d.eval_every = None;
                 d
             })
         };
         check("DFlash settings", dflash(self) == dflash(other));
+        // Held-out samples are left out of the plans.
+        let holdout = |c: &RunConfig| c.eval.as_ref().map_or(0, |e| e.holdout);
+        check("held-out samples", holdout(self) == holdout(other));
         differ
     }
 }
@@ -308,6 +316,8 @@ struct Run {
     bucket_batches: Vec<u64>,
     /// Recent job times of each role (target, drafter), for `--job-timeout auto`.
     job_times: [supervisor::JobTimes; 2],
+    /// Served-acceptance evaluations of the checkpoints (`--eval-every`).
+    evaluator: Option<eval::Evaluator>,
 }
 
 /// How many GPUs NVML reports, or why none.
@@ -369,6 +379,9 @@ impl Run {
                 stop_deadline = Some(Instant::now());
             }
             self.supervise()?;
+            if let Some((step, result)) = self.evaluator.as_mut().and_then(eval::Evaluator::poll) {
+                self.evaluated(step, result)?;
+            }
             if self.monitor.due() {
                 self.monitor_request();
             }
@@ -380,6 +393,9 @@ impl Run {
                 let deadline = *stop_deadline.get_or_insert_with(|| Instant::now() + grace);
                 self.wind_down(Instant::now() > deadline);
                 if self.workers.iter().all(|w| w.process.is_none()) {
+                    if outcome == Outcome::Completed && self.final_checkpoint_lost.is_none() {
+                        self.final_evaluation()?;
+                    }
                     self.progress(true);
                     self.metrics.flush();
                     let mut outcome = outcome;
@@ -419,6 +435,54 @@ impl Run {
             self.dispatch();
             self.progress(false);
         }
+    }
+
+    /// Records an evaluation's outcome; a failed evaluation is reported, not fatal.
+    fn evaluated(
+        &mut self,
+        step: u64,
+        result: Result<eval::Outcome, String>,
+    ) -> Result<(), RunError> {
+        match result {
+            Ok(outcome) => self
+                .metrics
+                .eval(&outcome)
+                .map_err(|e| RunError::Failed(format!("{}: {e}", metrics::FILE))),
+            Err(why) => {
+                tracing::warn!("the evaluation of step {step} failed: {why}");
+                self.metrics
+                    .event("eval_failed", None, &format!("step {step}: {why}"))
+                    .map_err(|e| RunError::Failed(format!("{}: {e}", metrics::FILE)))
+            }
+        }
+    }
+
+    /// At the end of a completed run: the evaluation in flight, then the final checkpoint's
+    /// when it was not evaluated yet.
+    fn final_evaluation(&mut self) -> Result<(), RunError> {
+        let Some(ev) = self.evaluator.as_mut() else {
+            return Ok(());
+        };
+        if let Some((step, result)) = ev.wait() {
+            self.evaluated(step, result)?;
+        }
+        let final_step = self.metrics.last.as_ref().and_then(|m| m["step"].as_u64());
+        let (Some(step), Some(d), Some(ev)) = (
+            final_step,
+            self.config.dflash.as_ref(),
+            self.evaluator.as_mut(),
+        ) else {
+            return Ok(());
+        };
+        if ev.start(step, &d.checkpoint_dir) {
+            eprintln!(
+                "evaluating the final checkpoint (step {step}): served acceptance on the held-out prompts"
+            );
+            if let Some((step, result)) = ev.wait() {
+                self.evaluated(step, result)?;
+            }
+        }
+        Ok(())
     }
 
     fn journal_epoch(&mut self) -> Result<(), RunError> {
@@ -571,6 +635,16 @@ impl Run {
                             .map_err(|e| RunError::Failed(format!("journal: {e}")))?;
                     }
                     self.record(batch_id, batch, &m)?;
+                    if let (Some(u), Some(ev), Some(d)) = (
+                        &m.update,
+                        self.evaluator.as_mut(),
+                        self.config.dflash.as_ref(),
+                    ) && u.checkpoint
+                        && ev.due(u.step)
+                        && ev.start(u.step, &d.checkpoint_dir)
+                    {
+                        tracing::info!("evaluating the checkpoint of step {}", u.step);
+                    }
                 }
                 self.commit_ready()?;
             }

@@ -43,6 +43,13 @@ impl Run {
                 m["lr"].as_f64().unwrap_or(f64::NAN),
             ));
         }
+        if let Some(e) = &self.metrics.last_eval {
+            line.push_str(&format!(
+                " · τ {:.2} @{}",
+                e["tau"].as_f64().unwrap_or(f64::NAN),
+                e["step"]
+            ));
+        }
         line.push_str(&format!(" · ETA {eta}"));
         line
     }

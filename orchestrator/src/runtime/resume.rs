@@ -124,6 +124,29 @@ const CHANGEABLE: &[(&str, Apply)] = &[
     ("synthetic-us-per-token", |run, session| {
         run.synthetic_us_per_token = session.synthetic_us_per_token
     }),
+    ("eval-every", |run, session| {
+        match (&mut run.eval, &session.eval) {
+            (Some(r), Some(s)) => {
+                r.every = s.every;
+                if let Some(d) = run.dflash.as_mut() {
+                    d.eval_every = Some(s.every);
+                }
+            }
+            // Prompts of the user's: the plans do not change.
+            (None, Some(s)) if s.holdout == 0 => {
+                run.eval = Some(s.clone());
+                if let Some(d) = run.dflash.as_mut() {
+                    d.eval_every = Some(s.every);
+                }
+            }
+            _ => {}
+        }
+    }),
+    ("eval-max-new-tokens", |run, session| {
+        if let (Some(r), Some(s)) = (run.eval.as_mut(), session.eval.as_ref()) {
+            r.max_new_tokens = s.max_new_tokens;
+        }
+    }),
     ("on-nonfinite", |run, session| {
         if let (Some(r), Some(s)) = (run.dflash.as_mut(), session.dflash.as_ref()) {
             r.on_nonfinite = s.on_nonfinite;
@@ -221,6 +244,10 @@ fn journal_path(flag: &str) -> Option<&'static [&'static str]> {
         "feature-dtype" => &["dflash", "feature_dtype"],
         "anchor-chunk" => &["dflash", "anchor_chunk"],
         "on-nonfinite" => &["dflash", "on_nonfinite"],
+        "eval-every" => &["eval", "every"],
+        "eval-prompts" => &["eval", "prompts"],
+        "eval-holdout" => &["eval", "holdout"],
+        "eval-max-new-tokens" => &["eval", "max_new_tokens"],
         "gpus" => &["gpus"],
         "topology" => &["topology"],
         "metrics-addr" => &["metrics_addr"],
@@ -265,6 +292,7 @@ pub fn given_values(given: &[String], session: &RunConfig) -> BTreeMap<String, V
 mod tests {
     use super::*;
     use crate::runtime::PlannerSettings;
+    use std::path::PathBuf;
 
     fn config() -> RunConfig {
         RunConfig {
@@ -286,12 +314,57 @@ mod tests {
             dflash: None,
             job_timeout_s: None,
             stop_grace_s: 300.0,
+            eval: None,
         }
     }
 
     fn given(flags: &[&str], session: &RunConfig) -> BTreeMap<String, Value> {
         let flags: Vec<String> = flags.iter().map(|f| f.to_string()).collect();
         given_values(&flags, session)
+    }
+
+    /// How often and how long the evaluations decode may change; what they hold out may not.
+    #[test]
+    fn evaluations_may_change_pace_not_their_held_out_samples() {
+        use crate::runtime::eval::EvalConfig;
+        let eval = |every, holdout, prompts: Option<&str>| EvalConfig {
+            every,
+            prompts: prompts.map(PathBuf::from),
+            holdout,
+            max_new_tokens: 128,
+        };
+        let mut stored = config();
+        stored.eval = Some(eval(10, 32, None));
+        let mut session = config();
+        session.eval = Some(eval(50, 32, None));
+        let (merged, changes) =
+            merge(stored.clone(), &given(&["eval-every"], &session), &session).unwrap();
+        assert_eq!(merged.eval.as_ref().unwrap().every, 50);
+        assert!(changes.contains_key("eval-every"));
+        session.eval = Some(eval(10, 8, None));
+        let e = merge(
+            stored.clone(),
+            &given(&["eval-holdout"], &session),
+            &session,
+        )
+        .unwrap_err();
+        assert!(e.contains("--eval-holdout 8 (the run has 32)"), "{e}");
+        // A run without evaluations takes them on with prompts of the user's, not held out.
+        let plain = config();
+        session.eval = Some(eval(5, 0, Some("p.jsonl")));
+        let (merged, _) =
+            merge(plain.clone(), &given(&["eval-every"], &session), &session).unwrap();
+        assert_eq!(merged.eval, session.eval);
+        session.eval = Some(eval(5, 32, None));
+        let (merged, _) = merge(plain, &given(&["eval-every"], &session), &session).unwrap();
+        assert_eq!(merged.eval, None);
+        assert_eq!(
+            stored.weight_settings_differ(&RunConfig {
+                eval: Some(eval(10, 16, None)),
+                ..stored.clone()
+            }),
+            vec!["held-out samples"]
+        );
     }
 
     #[test]
