@@ -250,3 +250,42 @@ fn bad_dry_run_values_are_refused() {
     );
     assert!(!run_dir.exists());
 }
+
+/// `--eval-every` adds its process to the plan: on the first GPU, beside that GPU's worker, with
+/// every target layer and KV caches that grow with --eval-max-new-tokens.
+#[test]
+fn the_evaluations_are_planned_on_the_first_gpu() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = qwen3_8b(dir.path());
+    let run_dir = dir.path().join("run");
+    let prompts = dir.path().join("prompts.jsonl");
+    std::fs::write(&prompts, "{\"input_ids\": [1, 2, 3]}\n").unwrap();
+    let at = |new: &str| {
+        plan_json(
+            &target,
+            &run_dir,
+            &[
+                "--gpus",
+                "0-7",
+                "--gpu-memory",
+                "141",
+                "--max-len",
+                "8192",
+                "--eval-every",
+                "100",
+                "--eval-prompts",
+                prompts.to_str().unwrap(),
+                "--eval-max-new-tokens",
+                new,
+            ],
+        )
+    };
+    let (short, long) = (at("128"), at("8192"));
+    let eval = |v: &Value, k: &str| v["plan"]["eval"][k].as_u64().unwrap();
+    assert!(eval(&short, "weights") > short["plan"]["target"]["weights"].as_u64().unwrap());
+    assert!(eval(&long, "features") > eval(&short, "features"));
+    assert_eq!(eval(&long, "weights"), eval(&short, "weights"));
+    let gpu0 = &short["gpus"][0];
+    assert_eq!(gpu0["workers"], serde_json::json!(["target", "eval"]));
+    assert_eq!(short["gpus"][1]["workers"], serde_json::json!(["target"]));
+}

@@ -485,6 +485,12 @@ pub fn run(args: DemoArgs) -> Result<(), CliError> {
         "25",
         "--loss",
         args.loss.name(),
+        "--eval-every",
+        "100",
+        "--eval-prompts",
+        &path_arg(&eval_prompts),
+        "--eval-max-new-tokens",
+        &REPLY_TOKENS.to_string(),
     ]
     .iter()
     .map(|s| s.to_string())

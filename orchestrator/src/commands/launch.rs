@@ -510,7 +510,14 @@ fn dry_run_text(d: &runtime::launch_plan::DryRun) -> String {
             "peak",
             if cpu { "  resident (CPU)" } else { "" }
         );
-        for (w, host) in [(&p.target, p.target_host), (&p.drafter, p.drafter_host)] {
+        let eval = p
+            .eval
+            .as_ref()
+            .map(|e| (e, e.total.saturating_add(16 << 20)));
+        for (w, host) in [(&p.target, p.target_host), (&p.drafter, p.drafter_host)]
+            .into_iter()
+            .chain(eval)
+        {
             let _ = writeln!(
                 out,
                 "{:<8} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}{}",

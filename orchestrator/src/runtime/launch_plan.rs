@@ -308,8 +308,9 @@ fn memory_plan(
     target: &dflash_common::dflash::Qwen3Config,
     planner: &super::PlannerSettings,
     rings: &RingPlan,
+    eval: Option<&super::eval::EvalConfig>,
 ) -> super::memory::MemoryPlan {
-    super::memory::plan(
+    let mut plan = super::memory::plan(
         target,
         settings,
         planner.token_budget,
@@ -317,7 +318,13 @@ fn memory_plan(
         rings.total,
         u64::from(rings.feature_slots) * rings.feature_bytes,
         u64::from(rings.input_slots) * rings.input_bytes,
-    )
+    );
+    // Prompts as long as the longest sequence, plus the new tokens.
+    plan.eval = eval.map(|e| {
+        let context = u64::from(planner.max_len) + u64::from(e.max_new_tokens);
+        super::memory::eval_worker(target, settings, context)
+    });
+    plan
 }
 
 /// What `launch --dry-run` found: the workers, the memory plan, and what a launch would refuse.
@@ -438,7 +445,13 @@ pub fn dry_run(config: &RunConfig, gpu_memory: Option<u64>) -> Result<DryRun, Ru
     }
     let mut gpus = Vec::new();
     if let (Some(settings), Some(target)) = (&config.dflash, &target) {
-        let p = memory_plan(settings, target, &config.planner, &rings);
+        let p = memory_plan(
+            settings,
+            target,
+            &config.planner,
+            &rings,
+            config.eval.as_ref(),
+        );
         gpus = super::memory::gpu_uses(&p, &devices, topology.targets, |g| {
             gpu_total(&nvml, g).or(gpu_memory)
         });
@@ -641,7 +654,13 @@ pub fn launch(
     if let (Some(settings), Some(target)) = (config.dflash.as_ref(), target_config.as_ref())
         && devices.iter().any(|d| matches!(d, Device::Gpu(_)))
     {
-        let plan = memory_plan(settings, target, &config.planner, &rings);
+        let plan = memory_plan(
+            settings,
+            target,
+            &config.planner,
+            &rings,
+            config.eval.as_ref(),
+        );
         let uses =
             super::memory::gpu_uses(&plan, &devices, topology.targets, |g| gpu_total(&nvml, g));
         if let Some(why) = super::memory::refusal(&uses) {

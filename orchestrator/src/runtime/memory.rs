@@ -247,11 +247,43 @@ pub fn drafter_worker(
     .sum()
 }
 
+/// The process of `--eval-every` (as `eval` runs it), decoding prompts of up to `context` tokens
+/// with their new ones: every layer of the target and its embedding and output head, the
+/// drafter (f32 masters), the KV caches of both, and a prefill's activations at `context`
+/// tokens.
+pub fn eval_worker(target: &Qwen3Config, s: &DflashSettings, context: u64) -> WorkerPlan {
+    let sh = Shape::of(target);
+    let e = s.dtype.bytes() as f64;
+    let layers = target.num_hidden_layers as f64;
+    let n = s.target_layer_ids.len() as f64;
+    let draft_params =
+        sh.hidden * n * sh.hidden + sh.hidden * 2.0 + s.draft_layers as f64 * sh.layer_params();
+    let target_params = layers * sh.layer_params() + sh.vocab * sh.hidden + sh.hidden;
+    // The model's embedding, then the embedding and output head the drafter borrows.
+    let heads = 2.0 * sh.vocab * sh.hidden;
+    let kv = sh.kv_heads * sh.head_dim;
+    let context_f = context as f64;
+    let prefill = target_worker(target, s, context, context);
+    WorkerPlan {
+        role: "eval",
+        weights: bytes((target_params + heads) * e + draft_params * 4.0),
+        activations: prefill.activations,
+        attention: prefill.attention,
+        // The KV caches: the target's every layer, the drafter's context per layer.
+        features: bytes(context_f * 2.0 * kv * e * (layers + s.draft_layers as f64)),
+        optimiser: 0,
+        total: 0,
+    }
+    .sum()
+}
+
 /// The plan of a run: every worker, the rings, and what does not fit.
 #[derive(Debug, Clone, Serialize)]
 pub struct MemoryPlan {
     pub target: WorkerPlan,
     pub drafter: WorkerPlan,
+    /// The `--eval-every` process, on the first GPU (or the CPU) beside the workers.
+    pub eval: Option<WorkerPlan>,
     /// The same figures as a CPU worker's peak resident memory: the device figures plus the
     /// process's baseline and the shared ring pages the worker touches.
     pub target_host: u64,
@@ -286,6 +318,7 @@ pub fn plan(
             .fold(d.total, u64::saturating_add),
         target: t,
         drafter: d,
+        eval: None,
         shm_bytes,
         anchor_chunk: s.anchor_chunk,
     }
@@ -340,6 +373,13 @@ pub fn gpu_uses(
         uses[at].need = uses[at]
             .need
             .saturating_add(need.saturating_add(CUDA_CONTEXT));
+    }
+    // The evaluations run on the first GPU, beside its workers.
+    if let (Some(e), Some(first)) = (&plan.eval, uses.first_mut()) {
+        first.workers.push("eval");
+        first.need = first
+            .need
+            .saturating_add(e.total.saturating_add(CUDA_CONTEXT));
     }
     uses
 }
