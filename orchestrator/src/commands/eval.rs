@@ -378,10 +378,12 @@ pub fn check_prompts(
     })
 }
 
-/// Runs `dflash-worker --eval` on `request` and collects its lines; `progress` sees each.
+/// Runs `dflash-worker --eval` on `request` (on `gpu`, else the CPU with `threads` compute
+/// threads, or as many as it has) and collects its lines; `progress` sees each.
 pub fn run_worker(
     request: &EvalRequest,
     gpu: Option<u32>,
+    threads: Option<usize>,
     mut progress: impl FnMut(&PromptResult),
 ) -> Result<Vec<PromptResult>, CliError> {
     let file = tempfile_path();
@@ -403,6 +405,9 @@ pub fn run_worker(
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
+    if let Some(n) = threads {
+        command.env("RAYON_NUM_THREADS", n.max(1).to_string());
+    }
     crate::runtime::workers::bind_to_parent(&mut command, &[]);
     let mut child = command
         .spawn()
@@ -559,7 +564,7 @@ pub fn evaluate(
         .expect("valid template"),
     );
     let mut gained = (0u64, 0u64);
-    let results = run_worker(req, gpu, |r| {
+    let results = run_worker(req, gpu, None, |r| {
         gained.0 += r.acceptance.iter().map(|&a| u64::from(a)).sum::<u64>();
         gained.1 += r.acceptance.len() as u64;
         bar.set_message(format!(

@@ -223,7 +223,9 @@ fn evaluate(
             .or_else(|_| std::fs::copy(source.join(f), &to).map(|_| ()))
             .map_err(|e| format!("cannot keep {} for evaluation: {e}", source.display()))?;
     }
-    let results = crate::commands::eval::run_worker(request, gpu, |_| {});
+    // On CPUs, one thread: training keeps the rest.
+    let threads = gpu.is_none().then_some(1);
+    let results = crate::commands::eval::run_worker(request, gpu, threads, |_| {});
     // The links keep the checkpoint's space in use: gone once decoded.
     let _ = std::fs::remove_dir_all(target);
     let results = results.map_err(|e| e.to_string())?;
