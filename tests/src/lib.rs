@@ -25,6 +25,30 @@ pub fn bin(name: &str) -> PathBuf {
     path
 }
 
+/// Hidden states `indices` of one sequence run alone through `model` from position 0: one
+/// `[tokens, hidden]` tensor per index (the reference the cached and packed paths are held to).
+pub fn hidden_states_alone(
+    model: &dflash_worker::model::qwen3::Qwen3,
+    tokens: &[u32],
+    indices: &[usize],
+) -> Vec<candle_core::Tensor> {
+    use candle_core::{DType, Device, Tensor};
+    let d = Device::Cpu;
+    let n = tokens.len();
+    let ids = Tensor::from_vec(tokens.to_vec(), (1, n), &d).unwrap();
+    let pos = Tensor::arange(0u32, n as u32, &d)
+        .unwrap()
+        .reshape((1, n))
+        .unwrap();
+    let seg = Tensor::zeros((1, n), DType::U32, &d).unwrap();
+    model
+        .hidden_states(&ids, &pos, &seg, indices)
+        .unwrap()
+        .into_iter()
+        .map(|t| t.squeeze(0).unwrap())
+        .collect()
+}
+
 /// Runs `dflash-orch` with arguments and returns its output.
 pub fn orch(args: &[&str]) -> Output {
     Command::new(bin("dflash-orch"))

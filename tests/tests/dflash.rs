@@ -99,6 +99,16 @@ fn effective_commits(run_dir: &Path) -> Vec<(u64, u64, u64, u64)> {
     commits
 }
 
+/// The `train` lines of a run's metrics.jsonl.
+fn train_lines(run_dir: &Path) -> Vec<Value> {
+    fs::read_to_string(run_dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|l| l["kind"] == "train")
+        .collect()
+}
+
 /// `state.json` of the checkpoint `latest` names.
 fn latest_state(run_dir: &Path) -> Value {
     let root = run_dir.join("checkpoints");
@@ -791,12 +801,7 @@ fn a_nan_in_the_features_stops_the_run_or_skips_the_step() {
             .all(|s| s["reason"].as_str().unwrap().contains("target layer 1")),
         "{skipped:?}"
     );
-    let lines: Vec<Value> = fs::read_to_string(run_dir.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .filter(|l| l["kind"] == "train")
-        .collect();
+    let lines = train_lines(&run_dir);
     let marked = lines.iter().filter(|l| !l["skipped"].is_null()).count();
     assert_eq!(marked, skipped.len());
     assert_eq!(
@@ -828,12 +833,7 @@ fn a_distillation_run_trains_and_its_loss_is_in_the_fingerprint() {
         "1,2",
     ];
     finish(launch_with(&run_dir, &target, &flags).spawn().unwrap());
-    let lines: Vec<Value> = fs::read_to_string(run_dir.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .filter(|l| l["kind"] == "train")
-        .collect();
+    let lines = train_lines(&run_dir);
     let loss = |l: &Value| l["loss"].as_f64().unwrap();
     let tenth = lines.len() / 5;
     let early: f64 = lines[..tenth].iter().map(loss).sum::<f64>() / tenth as f64;

@@ -44,18 +44,7 @@ fn setup() -> Setup {
         &Device::Cpu,
     )
     .unwrap();
-    let weights = drafter
-        .params
-        .iter()
-        .map(|p| {
-            let t = p.var.as_tensor();
-            (
-                p.name.clone(),
-                t.dims().to_vec(),
-                t.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
-            )
-        })
-        .collect();
+    let weights = checkpoint::weights(&drafter).unwrap();
     let root = dir.path().join("run").join("checkpoints");
     let saved = checkpoint::save(
         &root,

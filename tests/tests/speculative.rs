@@ -6,7 +6,7 @@
 use std::path::Path;
 
 use candle_core::{D, DType, Device, Tensor};
-use dflash_e2e::orch;
+use dflash_e2e::{hidden_states_alone, orch};
 use dflash_worker::model::drafter::{Drafter, DrafterConfig};
 use dflash_worker::model::qwen3::{Qwen3, load_heads};
 use dflash_worker::speculative::{Draft, Proposer, Target, load_drafter};
@@ -35,30 +35,12 @@ fn fixture(dir: &Path) -> Fixture {
     }
 }
 
-/// Hidden states `indices` of a whole sequence, recomputed from scratch: `[n, width]` each.
-fn states(model: &Qwen3, tokens: &[u32], indices: &[usize]) -> Vec<Tensor> {
-    let d = Device::Cpu;
-    let n = tokens.len();
-    let ids = Tensor::from_vec(tokens.to_vec(), (1, n), &d).unwrap();
-    let pos = Tensor::arange(0u32, n as u32, &d)
-        .unwrap()
-        .reshape((1, n))
-        .unwrap();
-    let seg = Tensor::zeros((1, n), DType::U32, &d).unwrap();
-    model
-        .hidden_states(&ids, &pos, &seg, indices)
-        .unwrap()
-        .into_iter()
-        .map(|t| t.squeeze(0).unwrap())
-        .collect()
-}
-
 /// Greedy decoding the slow way: the whole sequence recomputed for every new token.
 fn greedy_by_recomputation(f: &Fixture, prompt: &[u32], new: usize) -> Vec<u32> {
     let full = f.model.config.num_hidden_layers;
     let mut seq = prompt.to_vec();
     for _ in 0..new {
-        let last = states(&f.model, &seq, &[full]).pop().unwrap();
+        let last = hidden_states_alone(&f.model, &seq, &[full]).pop().unwrap();
         let logits = last
             .narrow(0, seq.len() - 1, 1)
             .unwrap()
@@ -188,7 +170,11 @@ fn speculative_decoding_accepts_the_agreeing_prefix_plus_one_and_stays_lossless(
     let new = 30;
     let greedy = target.generate(None, &p, new, &[]).unwrap().output_ids;
     let sequence: Vec<u32> = p.iter().chain(&greedy).copied().collect();
-    let expected = Tensor::cat(&states(&f.model, &sequence, &indices), D::Minus1).unwrap();
+    let expected = Tensor::cat(
+        &hidden_states_alone(&f.model, &sequence, &indices),
+        D::Minus1,
+    )
+    .unwrap();
     for (block, right) in [
         (4, vec![0, 1, 2, 3]),
         (5, vec![4, 4, 0, 2]),
@@ -319,18 +305,7 @@ fn drafter_checkpoints_load_back_and_bad_ones_are_named() {
         };
         checkpoint::save(&root, &snapshot, 1).unwrap()
     };
-    let weights: Vec<(String, Vec<usize>, Vec<f32>)> = drafter
-        .params
-        .iter()
-        .map(|p| {
-            let t = p.var.as_tensor();
-            (
-                p.name.clone(),
-                t.dims().to_vec(),
-                t.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
-            )
-        })
-        .collect();
+    let weights = checkpoint::weights(&drafter).unwrap();
     let good = save(weights.clone(), "good");
     let loaded = load_drafter(&good, &Device::Cpu, DType::F32).unwrap();
     assert_eq!(loaded.config, drafter.config);

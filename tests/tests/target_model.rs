@@ -5,7 +5,7 @@
 use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
-use dflash_e2e::{assert_refused, orch, stdout_ok};
+use dflash_e2e::{assert_refused, hidden_states_alone, orch, stdout_ok};
 use dflash_worker::model::max_abs_diff;
 use dflash_worker::model::qwen3::{AttentionMode, KvCache, Qwen3, read_config};
 
@@ -18,19 +18,9 @@ fn tiny(dir: &Path) -> std::path::PathBuf {
 
 /// Hidden states `indices` of one sequence run alone: `[index][position][hidden]`.
 fn alone(model: &Qwen3, tokens: &[u32], indices: &[usize]) -> Vec<Vec<Vec<f32>>> {
-    let d = Device::Cpu;
-    let n = tokens.len();
-    let ids = Tensor::from_vec(tokens.to_vec(), (1, n), &d).unwrap();
-    let pos = Tensor::arange(0u32, n as u32, &d)
-        .unwrap()
-        .reshape((1, n))
-        .unwrap();
-    let seg = Tensor::zeros((1, n), DType::U32, &d).unwrap();
-    model
-        .hidden_states(&ids, &pos, &seg, indices)
-        .unwrap()
+    hidden_states_alone(model, tokens, indices)
         .iter()
-        .map(|t| t.squeeze(0).unwrap().to_vec2::<f32>().unwrap())
+        .map(|t| t.to_vec2::<f32>().unwrap())
         .collect()
 }
 

@@ -725,6 +725,18 @@ fn flat(t: &Tensor) -> candle_core::Result<Vec<f32>> {
     t.flatten_all()?.to_vec1::<f32>()
 }
 
+/// The drafter's weights as a checkpoint holds them: name, shape, f32 values.
+pub fn weights(drafter: &Drafter) -> candle_core::Result<Vec<NamedTensor>> {
+    drafter
+        .params
+        .iter()
+        .map(|p| {
+            let t = p.var.as_tensor();
+            Ok((p.name.clone(), t.dims().to_vec(), flat(t)?))
+        })
+        .collect()
+}
+
 /// Copies the drafter's weights and the optimiser's moments (on the training thread).
 pub fn snapshot(
     drafter: &Drafter,
@@ -732,12 +744,10 @@ pub fn snapshot(
     state: TrainingState,
     config: Value,
 ) -> candle_core::Result<Snapshot> {
-    let mut weights = Vec::with_capacity(drafter.params.len());
+    let weights = weights(drafter)?;
     let mut moments = Vec::with_capacity(drafter.params.len());
-    for (p, (m, v)) in drafter.params.iter().zip(&opt.moments) {
-        let shape = p.var.as_tensor().dims().to_vec();
-        weights.push((p.name.clone(), shape.clone(), flat(p.var.as_tensor())?));
-        moments.push((p.name.clone(), shape, flat(m)?, flat(v)?));
+    for ((name, shape, _), (m, v)) in weights.iter().zip(&opt.moments) {
+        moments.push((name.clone(), shape.clone(), flat(m)?, flat(v)?));
     }
     Ok(Snapshot {
         state: TrainingState {

@@ -133,22 +133,9 @@ pub fn generate_batch(
 /// `dflash-worker --generate REQUEST.json`: loads the target, then answers each batch read from
 /// stdin (a [`GenerateJob`] line) with a [`GenerateDone`] line on stdout, until stdin closes.
 pub fn run_generate(request: &Path) -> Result<(), String> {
-    use dflash_common::eval::EVAL_VERSION;
-    let text = std::fs::read(request).map_err(|e| format!("{}: {e}", request.display()))?;
     let req: GenerateRequest =
-        serde_json::from_slice(&text).map_err(|e| format!("{}: {e}", request.display()))?;
-    if req.version != EVAL_VERSION {
-        return Err(format!(
-            "{}: request version {}, this worker speaks {EVAL_VERSION}",
-            request.display(),
-            req.version
-        ));
-    }
-    let device = crate::dflash::device()?;
-    let dtype = crate::dflash::dtype(req.dtype);
-    let model = Qwen3::load(&req.target_model, None, &device, dtype).map_err(err)?;
-    let (_, lm_head) =
-        crate::model::qwen3::load_heads(&req.target_model, &device, dtype).map_err(err)?;
+        crate::speculative::read_request(request, |r: &GenerateRequest| r.version)?;
+    let (_, model, _, lm_head) = crate::speculative::load_target(&req.target_model, req.dtype)?;
     let sampling = Sampling {
         temperature: req.temperature,
         seed: req.seed,

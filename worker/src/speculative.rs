@@ -312,32 +312,52 @@ pub fn load_drafter_with(
     Ok(drafter)
 }
 
+/// A decoding request (`--eval`, `--generate`) from the orchestrator's file: read, and refused
+/// when another `EVAL_VERSION` wrote it.
+pub(crate) fn read_request<T: serde::de::DeserializeOwned>(
+    path: &Path,
+    version: impl Fn(&T) -> u32,
+) -> Result<T, String> {
+    use dflash_common::eval::EVAL_VERSION;
+    let text = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let req: T = serde_json::from_slice(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    if version(&req) != EVAL_VERSION {
+        return Err(format!(
+            "{}: request version {}, this worker speaks {EVAL_VERSION}",
+            path.display(),
+            version(&req)
+        ));
+    }
+    Ok(req)
+}
+
+/// The whole target of `dir` on this worker's device, in `precision`, with its embedding and
+/// output head.
+pub(crate) fn load_target(
+    dir: &Path,
+    precision: dflash_common::dflash::Precision,
+) -> Result<(Device, Qwen3, Tensor, Tensor), String> {
+    let device = crate::dflash::device()?;
+    let dtype = crate::dflash::dtype(precision);
+    let model = Qwen3::load(dir, None, &device, dtype).map_err(err)?;
+    let (embedding, lm_head) = crate::model::qwen3::load_heads(dir, &device, dtype).map_err(err)?;
+    Ok((device, model, embedding, lm_head))
+}
+
 /// `dflash-worker --eval REQUEST.json`: decodes every prompt of the request on this worker's
 /// device and prints one [`PromptResult`](dflash_common::eval::PromptResult) JSON line per prompt
 /// on stdout as it finishes.
 pub fn run_eval(request: &Path) -> Result<(), String> {
-    use dflash_common::eval::{EVAL_VERSION, EvalRequest, PromptResult};
+    use dflash_common::eval::{EvalRequest, PromptResult};
     use std::io::Write;
-    let text = std::fs::read(request).map_err(|e| format!("{}: {e}", request.display()))?;
-    let req: EvalRequest =
-        serde_json::from_slice(&text).map_err(|e| format!("{}: {e}", request.display()))?;
-    if req.version != EVAL_VERSION {
-        return Err(format!(
-            "{}: request version {}, this worker speaks {EVAL_VERSION}",
-            request.display(),
-            req.version
-        ));
-    }
-    let device = crate::dflash::device()?;
-    let dtype = crate::dflash::dtype(req.dtype);
+    let req: EvalRequest = read_request(request, |r: &EvalRequest| r.version)?;
     let target_config = crate::model::qwen3::read_config(&req.target_model).map_err(err)?;
     DraftConfig::read(&req.drafter)
         .map_err(err)?
         .check_target(&target_config)
         .map_err(|e| format!("{}: {e}", req.drafter.display()))?;
-    let model = Qwen3::load(&req.target_model, None, &device, dtype).map_err(err)?;
-    let (embedding, lm_head) =
-        crate::model::qwen3::load_heads(&req.target_model, &device, dtype).map_err(err)?;
+    let (device, model, embedding, lm_head) = load_target(&req.target_model, req.dtype)?;
+    let dtype = crate::dflash::dtype(req.dtype);
     let drafter = load_drafter_with(&req.drafter, &device, dtype, req.init_seed).map_err(err)?;
     let target = Target {
         model: &model,
