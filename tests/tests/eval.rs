@@ -26,20 +26,7 @@ fn setup() -> Setup {
     stdout_ok(&orch(&["init-tiny", "--output", target.to_str().unwrap()]));
     let c = read_config(&target).unwrap();
     let drafter = Drafter::new(
-        DrafterConfig {
-            hidden: c.hidden_size,
-            intermediate: c.intermediate_size,
-            layers: 1,
-            heads: c.num_attention_heads,
-            kv_heads: c.num_key_value_heads,
-            head_dim: c.head_dim(),
-            rms_eps: c.rms_norm_eps,
-            rope_theta: c.rope_theta,
-            block_size: 8,
-            mask_token_id: 5,
-            target_layer_ids: vec![1, 2],
-            vocab: c.vocab_size,
-        },
+        DrafterConfig::for_target(&c, 1, 8, 5, vec![1, 2]),
         3,
         &Device::Cpu,
     )

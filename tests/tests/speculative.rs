@@ -237,20 +237,7 @@ fn speculative_decoding_accepts_the_agreeing_prefix_plus_one_and_stays_lossless(
 fn drafter_for(f: &Fixture, layers: Vec<usize>, seed: u64) -> Drafter {
     let c = &f.model.config;
     Drafter::new(
-        DrafterConfig {
-            hidden: c.hidden_size,
-            intermediate: c.intermediate_size,
-            layers: 1,
-            heads: c.num_attention_heads,
-            kv_heads: c.num_key_value_heads,
-            head_dim: c.head_dim(),
-            rms_eps: c.rms_norm_eps,
-            rope_theta: c.rope_theta,
-            block_size: 8,
-            mask_token_id: 3,
-            target_layer_ids: layers,
-            vocab: c.vocab_size,
-        },
+        DrafterConfig::for_target(c, 1, 8, 3, layers),
         seed,
         &Device::Cpu,
     )

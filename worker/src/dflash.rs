@@ -412,20 +412,13 @@ impl DrafterStage {
         let compute = dtype(settings.dtype);
         let (embedding, lm_head) =
             qwen3::load_heads(&settings.target_model, device, compute).map_err(err)?;
-        let config = DrafterConfig {
-            hidden: target.hidden_size,
-            intermediate: target.intermediate_size,
-            layers: settings.draft_layers,
-            heads: target.num_attention_heads,
-            kv_heads: target.num_key_value_heads,
-            head_dim: target.head_dim(),
-            rms_eps: target.rms_norm_eps,
-            rope_theta: target.rope_theta,
-            block_size: settings.block_size,
-            mask_token_id: settings.mask_token_id,
-            target_layer_ids: settings.target_layer_ids.clone(),
-            vocab: target.vocab_size,
-        };
+        let config = DrafterConfig::for_target(
+            &target,
+            settings.draft_layers,
+            settings.block_size,
+            settings.mask_token_id,
+            settings.target_layer_ids.clone(),
+        );
         let drafter = Drafter::new(config, settings.seed, device)
             .map_err(err)?
             .with_compute(compute);

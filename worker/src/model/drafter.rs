@@ -38,6 +38,33 @@ pub struct DrafterConfig {
     pub vocab: usize,
 }
 
+impl DrafterConfig {
+    /// A drafter of `layers` decoder layers for `target`: its widths, heads, norm epsilon and
+    /// rotary base, reading `target_layer_ids` with blocks of `block_size`.
+    pub fn for_target(
+        target: &super::qwen3::Qwen3Config,
+        layers: usize,
+        block_size: usize,
+        mask_token_id: u32,
+        target_layer_ids: Vec<usize>,
+    ) -> Self {
+        Self {
+            hidden: target.hidden_size,
+            intermediate: target.intermediate_size,
+            layers,
+            heads: target.num_attention_heads,
+            kv_heads: target.num_key_value_heads,
+            head_dim: target.head_dim(),
+            rms_eps: target.rms_norm_eps,
+            rope_theta: target.rope_theta,
+            block_size,
+            mask_token_id,
+            target_layer_ids,
+            vocab: target.vocab_size,
+        }
+    }
+}
+
 /// One sequence's loss before averaging.
 pub struct LossParts {
     /// Weighted sum of the cross-entropies (a scalar with gradients).
