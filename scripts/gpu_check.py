@@ -9,6 +9,9 @@ Started by scripts/gpu-check (which see for the usage). Steps, each recorded in 
   model         dflash-orch init-tiny: Qwen3-0.6B's shape with random weights (--cpu: a tiny one)
   dflash        a DFlash run, a target and a drafter worker sharing GPU 0: tokens/s, every
                 worker's peak GPU memory, whether the loss falls
+  serve         the dflash run's checkpoint served: `generate` (the target writes replies on the
+                device) and `eval` (speculative decoding against plain greedy decoding on the
+                device): τ, speedup, whether the output equals greedy decoding (bf16 may differ)
   crash_resume  the same run again, the drafter SIGKILLed mid-run and restarted by the
                 orchestrator: the loss per optimiser step against the uninterrupted run
   pytorch       the same model shape and batch through PyTorch (transformers' Qwen3 target,
@@ -521,6 +524,44 @@ class _Null:
         pass
 
 
+def step_serve(ctx):
+    """generate and eval on the device, with the dflash step's checkpoint."""
+    ref = ctx.reference
+    if ctx.model is None or ref is None or ref.proc is None or ref.proc.returncode != 0:
+        raise StepFailed("no checkpoint (the dflash step failed)")
+    for sub in ("generate", "eval"):
+        if sub not in help_text(ctx.orch):
+            raise StepFailed(f"this dflash-orch has no {sub} command")
+    with open(os.path.join(ctx.model, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    prompts = os.path.join(ctx.work, "serve-prompts.jsonl")
+    with open(prompts, "w") as f:
+        for i in range(8):
+            f.write(json.dumps({"input_ids": [(i * 977 + k * 131) % (min(vocab, 30000) - 1) + 1
+                                              for k in range(32 + 8 * i)]}) + "\n")
+    gpu = None if ctx.cpu else ctx.pair.split(",")[0]
+    res = {}
+    gen = [ctx.orch, "generate", "--target-model", ctx.model, "--input", prompts,
+           "--output", os.path.join(ctx.work, "generated.jsonl"), "--max-new-tokens", "128",
+           "--gpus", ctx.pair.split(",")[0] if not ctx.cpu else "cpu:1", "--json", "--force"]
+    out = subprocess.run(gen, capture_output=True, text=True, timeout=ctx.remaining(120), env=ctx.env)
+    if out.returncode != 0:
+        raise StepFailed(f"generate exited {out.returncode}: {out.stderr.strip()[-800:]}")
+    g = json.loads(out.stdout)
+    res["generate"] = {k: g.get(k) for k in ("rows", "tokens_generated", "seconds", "tokens_per_second")}
+    ev = [ctx.orch, "eval", "--target-model", ctx.model, "--drafter", ref.dir, "--prompts", prompts,
+          "--max-new-tokens", "128", "--ignore-eos", "--json"]
+    if gpu is not None:
+        ev += ["--gpu", gpu]
+    out = subprocess.run(ev, capture_output=True, text=True, timeout=ctx.remaining(180), env=ctx.env)
+    if out.returncode != 0:
+        raise StepFailed(f"eval exited {out.returncode}: {out.stderr.strip()[-800:]}", **res)
+    e = json.loads(out.stdout)
+    res["eval"] = {k: e.get(k) for k in ("tau", "pooled_tau", "speedup", "lossless", "tokens", "dtype",
+                                         "baseline_seconds_per_token", "speculative_seconds_per_token")}
+    return res
+
+
 def step_crash_resume(ctx):
     if ctx.model is None:
         raise StepFailed("no model (the model step failed)")
@@ -892,7 +933,7 @@ def main():
     ap.add_argument("--run-timeout", type=float, default=180, help="seconds one DFlash run may take [default: 180]")
     ap.add_argument("--torch-timeout", type=float, default=120, help="seconds the PyTorch side may take [default: 120]")
     ap.add_argument("--budget", type=float, default=470, help="seconds for the whole check [default: 470]")
-    ap.add_argument("--skip", action="append", default=[], choices=["nvml", "crash_resume", "pytorch"],
+    ap.add_argument("--skip", action="append", default=[], choices=["nvml", "serve", "crash_resume", "pytorch"],
                     help="leave a step out (repeatable)")
     args = ap.parse_args()
     args.samples = args.samples or (192 if args.cpu else 256)
@@ -928,7 +969,8 @@ def main():
         with open(build) as f:
             summary["build"] = json.load(f)
     steps = [("capabilities", step_capabilities), ("copy", step_copy), ("nvml", step_nvml), ("model", step_model),
-             ("dflash", step_dflash), ("crash_resume", step_crash_resume), ("pytorch", step_pytorch)]
+             ("dflash", step_dflash), ("serve", step_serve), ("crash_resume", step_crash_resume),
+             ("pytorch", step_pytorch)]
     for name, fn in steps:
         if name in args.skip:
             ctx.results[name] = {"ok": True, "skipped": "--skip"}
@@ -957,6 +999,7 @@ def main():
         "peak_gpu_memory_mib": d.get("peak_gpu_memory_mib"),
         "feature_copy_gb_s": ctx.results.get("copy", {}).get("copies"),
         "crash_resume_max_rel_deviation": ctx.results.get("crash_resume", {}).get("max_rel_deviation"),
+        "served": ctx.results.get("serve", {}).get("eval"),
     }
     summary["elapsed_s"] = round(time.monotonic() - T0, 1)
     text = json.dumps(summary, indent=1, default=str)
