@@ -46,6 +46,7 @@ pub const TARGETS: &[(&str, Harness)] = &[
     ("control", control),
     ("options", options),
     ("model", model),
+    ("decoding", decoding),
 ];
 
 /// Separates the files of a multi-file input.
@@ -553,6 +554,66 @@ pub fn model(data: &[u8]) {
                 let layers = layers.first().map_or(usize::MAX, |&l| usize::from(l));
                 let _ = dflash::check_weights(&dir, &config, layers);
             }
+        }
+    }
+}
+
+/// What `eval`, `generate` and `launch --eval-every` read. The first byte picks what the rest is:
+/// 0, a drafter checkpoint's `config.json` (`DraftConfig::parse`, then checked against a small
+/// target); 1, an `eval --prompts` file (`read_prompts`, then `check_prompts`); 2, a generate
+/// record `OUTPUT.partial.json` then the partial file (`starting_point` with `--resume`); 3, a
+/// `generate --input` file of pre-tokenized rows (`read_items`).
+pub fn decoding(data: &[u8]) {
+    use dflash_orch::commands::eval as cmd_eval;
+    use dflash_orch::commands::generate::{self, output};
+    let dir = fresh_dir("decoding");
+    let (flags, rest) = flags(data);
+    write(
+        &dir.join("config.json"),
+        br#"{"architectures": ["Qwen3ForCausalLM"], "vocab_size": 600, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "max_position_embeddings": 512}"#,
+    );
+    let target = dflash::read_config(&dir).expect("a valid config");
+    match flags % 4 {
+        0 => {
+            if let Ok(config) = dflash_common::eval::DraftConfig::parse(rest) {
+                let _ = config.check_target(&target);
+            }
+        }
+        1 => {
+            let path = dir.join("prompts.jsonl");
+            write(&path, rest);
+            let tokenizer = dir.join("tokenizer.json");
+            if let Ok(prompts) = cmd_eval::read_prompts(&path, Template::ChatMl, &tokenizer, None) {
+                let _ = cmd_eval::check_prompts(&prompts, &path, &target, 64);
+            }
+        }
+        2 => {
+            let [record, partial] = parts::<2>(rest);
+            let paths = output::Paths::of(&dir.join("out.jsonl"));
+            write(&paths.record, record);
+            write(&paths.partial, partial);
+            let settings = output::Settings {
+                producer: "target".into(),
+                target_model: None,
+                server: None,
+                server_model: None,
+                inputs: Vec::new(),
+                rows: 4,
+                batch_size: 2,
+                max_new_tokens: 8,
+                temperature: 0.0,
+                seed: 0,
+                stop_token_ids: Vec::new(),
+                dtype: "f32".into(),
+            };
+            let _ = output::starting_point(&paths, &settings, true, false);
+        }
+        _ => {
+            let path = dir.join("rows.jsonl");
+            write(&path, rest);
+            let _ = generate::read_items(&[path], None, || Err("no tokenizer".into()));
         }
     }
 }

@@ -44,6 +44,7 @@ fn replay(target: &str) {
 fn every_target_has_a_test() {
     let tested = [
         "lengths", "jsonl", "chat", "store", "ring", "journal", "control", "options", "model",
+        "decoding",
     ];
     let targets: Vec<&str> = harness::TARGETS.iter().map(|(name, _)| *name).collect();
     assert_eq!(targets, tested);
@@ -93,4 +94,9 @@ fn options() {
 #[test]
 fn model() {
     replay("model");
+}
+
+#[test]
+fn decoding() {
+    replay("decoding");
 }
