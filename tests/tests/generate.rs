@@ -222,6 +222,54 @@ fn a_killed_generate_resumes_to_the_same_file() {
         "the resumed file differs from the uninterrupted one"
     );
     assert!(!dir.path().join("killed.jsonl.partial").exists());
+
+    // A worker SIGKILLed mid-run: restarted, its batch redone, the same file.
+    let lost = dir.path().join("lost-worker.jsonl");
+    let args = generate(&target, &tokens, &lost, &options);
+    let record = dir.path().join("lost-worker.jsonl.partial.json");
+    let child = Command::new(bin("dflash-orch"))
+        .args(&args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let rows = || -> u64 {
+        std::fs::read(&record)
+            .ok()
+            .and_then(|t| serde_json::from_slice::<Value>(&t).ok())
+            .and_then(|v| v["rows"].as_u64())
+            .unwrap_or(0)
+    };
+    wait_until("a few batches", Duration::from_secs(60), || rows() >= 10);
+    let worker = children(child.id())
+        .into_iter()
+        .next()
+        .expect("a generate worker");
+    signal(worker as i32, "KILL");
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("restarting it"),
+        "the worker's death is reported"
+    );
+    assert_eq!(
+        std::fs::read(&lost).unwrap(),
+        std::fs::read(&straight).unwrap(),
+        "a lost worker changed the output"
+    );
+}
+
+/// The pids of `parent`'s child processes.
+fn children(parent: u32) -> Vec<u32> {
+    std::fs::read_to_string(format!("/proc/{parent}/task/{parent}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect()
 }
 
 /// A minimal OpenAI-compatible server: lists one model and answers every chat completion with
