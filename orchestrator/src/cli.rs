@@ -60,8 +60,9 @@ pub enum Command {
     /// Regenerate a dataset's responses with the target (training data written by the model
     /// the drafter will serve), on our workers or an OpenAI-compatible server; resumable.
     Generate(commands::generate::GenerateArgs),
-    /// Train a DFlash drafter end to end on this machine's CPUs: tiny target, generated
-    /// conversations, prepare, launch, final figures (a few minutes; no GPU, no downloads).
+    /// Train a DFlash drafter end to end on this machine's CPUs: a tiny target writes the
+    /// training replies (generate), prepare, launch, then served acceptance before and after
+    /// training by speculative decoding (eval) (a few minutes; no GPU, no downloads).
     Demo(commands::demo::DemoArgs),
 }
 
