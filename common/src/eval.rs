@@ -52,12 +52,9 @@ struct RawDraftConfig {
     #[serde(default)]
     rope_theta: Option<f64>,
     vocab_size: usize,
-    #[serde(default)]
-    block_size: Option<usize>,
-    #[serde(default)]
-    mask_token_id: Option<u32>,
-    #[serde(default)]
-    target_layer_ids: Option<Vec<usize>>,
+    /// The DFlash fields where older files keep them: at the top level.
+    #[serde(flatten)]
+    top: RawDflashFields,
     #[serde(default)]
     num_target_layers: Option<usize>,
     #[serde(default)]
@@ -102,14 +99,15 @@ impl DraftConfig {
             ));
         }
         let fields = raw.dflash_config.unwrap_or_default();
-        let block_size = fields.block_size.or(raw.block_size).unwrap_or(16);
+        let top = raw.top;
+        let block_size = fields.block_size.or(top.block_size).unwrap_or(16);
         let mask_token_id = fields
             .mask_token_id
-            .or(raw.mask_token_id)
+            .or(top.mask_token_id)
             .ok_or("no mask_token_id (in dflash_config or at the top level)")?;
         let target_layer_ids = fields
             .target_layer_ids
-            .or(raw.target_layer_ids)
+            .or(top.target_layer_ids)
             .ok_or("no target_layer_ids (in dflash_config or at the top level)")?;
         let heads = raw.num_attention_heads;
         let head_dim = raw.head_dim.unwrap_or(raw.hidden_size / heads.max(1));

@@ -6,7 +6,7 @@ use ipc_channel::ipc::{IpcReceiver, IpcSender};
 use serde::{Deserialize, Serialize};
 
 /// Bumped on any change to these messages or to the ring layout.
-pub const PROTOCOL: u32 = 3;
+pub const PROTOCOL: u32 = 4;
 
 /// What a worker does in the run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -97,6 +97,9 @@ pub enum Job {
         feature: SlotRef,
         checksum: u32,
         group: Group,
+        /// What the target worker reported not finite in these features (`--on-nonfinite skip`):
+        /// the drafter skips the step without checking them again.
+        nonfinite: Option<String>,
     },
     /// Finish and exit (a drafter writes its final checkpoint first).
     Stop,

@@ -748,6 +748,7 @@ impl Feeder<'_> {
                 },
                 checksum: i as u32,
                 group: dflash_common::wire::Group { index: 0, len: 1 },
+                nonfinite: None,
             };
             let started = Instant::now();
             self.jobs

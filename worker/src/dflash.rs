@@ -167,14 +167,11 @@ impl TargetStage {
         )
         .map_err(err)?;
         settings.check(&model.config)?;
-        // Distillation: the last hidden state (after the final norm) goes along, named in
-        // messages as the last layer's.
-        let distill = settings.distill().is_some();
+        // Distillation: the last hidden state (after the final norm) goes along.
+        let layer_ids = feature_layers(settings, full);
         let mut indices: Vec<usize> = settings.target_layer_ids.iter().map(|l| l + 1).collect();
-        let mut layer_ids = settings.target_layer_ids.clone();
-        if distill {
+        if settings.distill().is_some() {
             indices.push(full);
-            layer_ids.push(full - 1);
         }
         Ok(Self {
             model,
@@ -290,6 +287,7 @@ impl Stage for TargetStage {
         _: BatchId,
         _: u32,
         _: Group,
+        _: Option<&str>,
     ) -> Result<(u32, Option<TrainMetrics>), String> {
         Err("a target worker got a training job".into())
     }
@@ -298,16 +296,10 @@ impl Stage for TargetStage {
 /// The name of the first drafter parameter whose gradient holds a NaN or an infinity.
 fn first_nonfinite(grads: &[Option<Tensor>], drafter: &Drafter) -> Result<String, String> {
     for (g, p) in grads.iter().zip(&drafter.params) {
-        if let Some(g) = g {
-            let total = g
-                .to_dtype(DType::F32)
-                .and_then(|t| t.abs())
-                .and_then(|t| t.sum_all())
-                .and_then(|t| t.to_scalar::<f32>())
-                .map_err(err)?;
-            if !total.is_finite() {
-                return Ok(p.name.clone());
-            }
+        if let Some(g) = g
+            && !all_finite(g)?
+        {
+            return Ok(p.name.clone());
         }
     }
     Ok("an unknown parameter".into())
@@ -326,19 +318,34 @@ fn poisoned(values: &Tensor, tokens: &[u32], token: u32) -> Result<Tensor, Strin
     (values + mask).map_err(err)
 }
 
+/// The target layer of each hidden state in a token's features: `target_layer_ids`, then with
+/// distillation the last hidden state, named as the last of the target's `target_layers`.
+fn feature_layers(settings: &DflashSettings, target_layers: usize) -> Vec<usize> {
+    let mut layers = settings.target_layer_ids.clone();
+    if settings.distill().is_some() {
+        layers.push(target_layers.saturating_sub(1));
+    }
+    layers
+}
+
+/// Whether every element of `t` is finite (one reduction: a NaN or infinity makes the sum of
+/// magnitudes non-finite).
+fn all_finite(t: &Tensor) -> Result<bool, String> {
+    let total = t
+        .to_dtype(DType::F32)
+        .and_then(|t| t.abs())
+        .and_then(|t| t.sum_all())
+        .and_then(|t| t.to_scalar::<f32>())
+        .map_err(err)?;
+    Ok(total.is_finite())
+}
+
 /// The first of `layer_ids` whose slice of `features` (`[tokens, n·hidden]`, the layers' hidden
 /// states side by side) holds a NaN or an infinity.
 pub fn nonfinite_layer(features: &Tensor, layer_ids: &[usize]) -> Result<Option<usize>, String> {
     let width = features.dim(1).map_err(err)? / layer_ids.len().max(1);
     for (i, &layer) in layer_ids.iter().enumerate() {
-        let total = features
-            .narrow(1, i * width, width)
-            .and_then(|t| t.to_dtype(DType::F32))
-            .and_then(|t| t.abs())
-            .and_then(|t| t.sum_all())
-            .and_then(|t| t.to_scalar::<f32>())
-            .map_err(err)?;
-        if !total.is_finite() {
+        if !all_finite(&features.narrow(1, i * width, width).map_err(err)?)? {
             return Ok(Some(layer));
         }
     }
@@ -391,8 +398,6 @@ pub struct DrafterStage {
     hf_config: serde_json::Value,
     device: Device,
     width: usize,
-    /// The target's decoder layers.
-    target_layers: usize,
     /// Optimiser steps taken.
     step: u64,
     /// Batches of the run in the weights (the plan position after the last update).
@@ -464,7 +469,6 @@ impl DrafterStage {
                 total: settings.total_steps,
             },
             width: settings.feature_width(&target) as usize,
-            target_layers: target.num_hidden_layers,
             settings: settings.clone(),
             drafter,
             opt,
@@ -556,6 +560,7 @@ impl Stage for DrafterStage {
         id: BatchId,
         checksum: u32,
         group: Group,
+        nonfinite: Option<&str>,
     ) -> Result<(u32, Option<TrainMetrics>), String> {
         let started = Instant::now();
         self.check_writer()?;
@@ -597,16 +602,10 @@ impl Stage for DrafterStage {
             "batch {} of epoch {} (step {})",
             id.batch, id.epoch, id.step
         );
-        let mut layers = self.settings.target_layer_ids.clone();
-        if self.settings.distill().is_some() {
-            // The last hidden state, named as the last layer's.
-            layers.push(self.target_layers - 1);
-        }
-        let poisoned = nonfinite_layer(&all, &layers)?;
-        if let Some(layer) = poisoned {
-            self.nonfinite(format!(
-                "the features of {at_batch} hold a NaN or infinity at target layer {layer}"
-            ))?;
+        // The target worker checked them (once, where they were made).
+        let poisoned = nonfinite.is_some();
+        if let Some(what) = nonfinite {
+            self.nonfinite(format!("the features of {at_batch}: {what}"))?;
         }
         // Every sequence's anchors, drawn from (seed, step, sequence).
         let mut offset = 0;
@@ -621,11 +620,11 @@ impl Stage for DrafterStage {
                 id.step,
                 i as u64,
             );
-            if !picked.is_empty() && poisoned.is_none() {
+            if !picked.is_empty() && !poisoned {
                 sequences.push((range, picked));
             }
         }
-        let (grads, batch) = self
+        let (grads, mut batch) = self
             .drafter
             .micro_batch(
                 &all,
@@ -642,7 +641,6 @@ impl Stage for DrafterStage {
                 group.len as usize,
             )
             .map_err(err)?;
-        let (grads, mut batch) = (grads, batch);
         if !batch.loss.is_finite() {
             self.nonfinite(format!("the loss of {at_batch} is not finite"))?;
             batch.loss = 0.0;

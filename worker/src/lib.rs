@@ -277,7 +277,15 @@ pub fn run(args: WorkerArgs) -> Result<(), WorkerError> {
                 feature,
                 checksum,
                 group,
-            } => match stage.train(&feature_ring, feature, id, checksum, group) {
+                nonfinite,
+            } => match stage.train(
+                &feature_ring,
+                feature,
+                id,
+                checksum,
+                group,
+                nonfinite.as_deref(),
+            ) {
                 Ok((found, metrics)) => Event::Trained {
                     id,
                     checksum: found,

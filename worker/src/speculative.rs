@@ -138,14 +138,16 @@ impl Target<'_> {
         indices
     }
 
-    /// Runs `tokens` after what `cache` holds: the greedy next token after each of them, and the
-    /// drafter's features of each (`[n, width]`) when asked.
+    /// Runs `tokens` after what `cache` holds: the greedy next token after each of the last
+    /// `choices` of them (only those rows meet the output head: a prefill needs one, not a
+    /// `[prompt, vocab]` matrix), and the drafter's features of each (`[n, width]`) when asked.
     fn step(
         &self,
         cache: &mut KvCache,
         tokens: &[u32],
         indices: &[usize],
         features: bool,
+        choices: usize,
     ) -> Result<(Vec<u32>, Option<Tensor>), String> {
         let mut states = self
             .model
@@ -154,8 +156,10 @@ impl Target<'_> {
             .pop()
             .ok_or("the target returned no states")?;
         let last = states.pop().ok_or("the target returned no final state")?;
+        let rows = choices.clamp(1, tokens.len());
         let next = last
-            .matmul(&self.lm_head.t().map_err(err)?)
+            .narrow(0, tokens.len() - rows, rows)
+            .and_then(|l| l.matmul(&self.lm_head.t()?))
             .and_then(|l| l.to_dtype(DType::F32))
             .and_then(|l| l.argmax(D::Minus1))
             .and_then(|l| l.to_vec1::<u32>())
@@ -187,7 +191,7 @@ impl Target<'_> {
         let mask = draft.as_deref().map_or(0, |d| d.mask_token());
         let indices = self.indices(draft.as_deref());
         let mut cache = KvCache::default();
-        let (next, features) = self.step(&mut cache, prompt, &indices, draft.is_some())?;
+        let (next, features) = self.step(&mut cache, prompt, &indices, draft.is_some(), 1)?;
         let mut out: Vec<u32> = prompt.to_vec();
         out.push(*next.last().ok_or("no logits")?);
         if max_new_tokens == 0 {
@@ -210,7 +214,8 @@ impl Target<'_> {
                 tokens.extend(drafted.into_iter().take(verify - 1));
             }
             tokens.resize(verify, mask);
-            let (posterior, features) = self.step(&mut cache, &tokens, &indices, verify > 1)?;
+            let (posterior, features) =
+                self.step(&mut cache, &tokens, &indices, verify > 1, verify)?;
             let accepted = tokens[1..]
                 .iter()
                 .zip(&posterior)

@@ -20,7 +20,8 @@ pub trait Stage {
     ) -> Result<Option<String>, String>;
 
     /// Trains on the features in `at`, which must hold tokens with `checksum`; returns the
-    /// checksum found and what the step measured.
+    /// checksum found and what the step measured. `nonfinite`: where the target worker found a
+    /// NaN or infinity in them.
     fn train(
         &mut self,
         features: &Ring,
@@ -28,6 +29,7 @@ pub trait Stage {
         id: BatchId,
         checksum: u32,
         group: Group,
+        nonfinite: Option<&str>,
     ) -> Result<(u32, Option<TrainMetrics>), String>;
 
     /// Where a stateful drafter resumes: (plan cursor, optimiser step).
@@ -136,6 +138,7 @@ impl Stage for Synthetic {
         _id: BatchId,
         checksum: u32,
         _group: Group,
+        _nonfinite: Option<&str>,
     ) -> Result<(u32, Option<TrainMetrics>), String> {
         let meta = check_written(features, at)?;
         let data = features.data(at.slot);

@@ -152,14 +152,15 @@ pub struct EvalSummary {
     pub per_prompt: Vec<PromptSummary>,
 }
 
-/// τ, the histogram, the speedup and the lossless check of the worker's results (in prompt
-/// order; `lines[i]` and `prompts[i]` are prompt i's line and tokens).
+/// The summary of the worker's `results` for `req` (in prompt order; `lines[i]` is prompt i's
+/// line): τ, the histogram, the speedup and the lossless check.
 pub fn summarize(
     results: &[PromptResult],
     lines: &[usize],
-    prompts: &[Vec<u32>],
-    block_size: usize,
-) -> (f64, f64, Vec<f64>, f64, f64, bool, Vec<PromptSummary>) {
+    req: &EvalRequest,
+    device: String,
+) -> EvalSummary {
+    let (prompts, block_size) = (&req.prompts, req.block_size);
     let mean = |v: &[f64]| {
         if v.is_empty() {
             0.0
@@ -213,16 +214,25 @@ pub fn summarize(
         .iter()
         .map(|&n| n as f64 / steps_all.max(1) as f64)
         .collect();
-    let lossless = per_prompt.iter().all(|p| p.lossless);
-    (
-        mean(&taus),
-        pooled,
+    let (base, spec) = (mean(&base_tpot), mean(&spec_tpot));
+    EvalSummary {
+        drafter: req.drafter.display().to_string(),
+        init_seed: req.init_seed,
+        prompts: results.len(),
+        block_size,
+        max_new_tokens: req.max_new_tokens,
+        device,
+        dtype: req.dtype,
+        tau: mean(&taus),
+        pooled_tau: pooled,
         histogram,
-        mean(&base_tpot),
-        mean(&spec_tpot),
-        lossless,
+        tokens: per_prompt.iter().map(|p| p.output_ids.len()).sum(),
+        baseline_seconds_per_token: base,
+        speculative_seconds_per_token: spec,
+        speedup: if spec > 0.0 { base / spec } else { 0.0 },
+        lossless: per_prompt.iter().all(|p| p.lossless),
         per_prompt,
-    )
+    }
 }
 
 fn invalid(message: impl Into<String>) -> CliError {
@@ -574,26 +584,8 @@ pub fn evaluate(
         bar.inc(1);
     })?;
     bar.finish_and_clear();
-    let (tau, pooled_tau, histogram, base, spec, lossless, per_prompt) =
-        summarize(&results, &prepared.lines, &req.prompts, req.block_size);
-    Ok(EvalSummary {
-        drafter: req.drafter.display().to_string(),
-        init_seed: req.init_seed,
-        prompts: results.len(),
-        block_size: req.block_size,
-        max_new_tokens: req.max_new_tokens,
-        device: gpu.map_or_else(|| "cpu".to_owned(), |g| format!("gpu:{g}")),
-        dtype: req.dtype,
-        tau,
-        pooled_tau,
-        histogram,
-        tokens: per_prompt.iter().map(|p| p.output_ids.len()).sum(),
-        baseline_seconds_per_token: base,
-        speculative_seconds_per_token: spec,
-        speedup: if spec > 0.0 { base / spec } else { 0.0 },
-        lossless,
-        per_prompt,
-    })
+    let device = gpu.map_or_else(|| "cpu".to_owned(), |g| format!("gpu:{g}"));
+    Ok(summarize(&results, &prepared.lines, req, device))
 }
 
 /// The summary as a person reads it.
@@ -681,32 +673,57 @@ mod tests {
         }
     }
 
+    fn request(prompts: Vec<Vec<u32>>, block_size: usize) -> EvalRequest {
+        EvalRequest {
+            version: EVAL_VERSION,
+            target_model: PathBuf::from("t"),
+            drafter: PathBuf::from("d"),
+            block_size,
+            prompts,
+            max_new_tokens: 8,
+            stop_token_ids: Vec::new(),
+            dtype: Precision::F32,
+            baseline: true,
+            init_seed: None,
+        }
+    }
+
     /// τ is the mean over prompts of each prompt's mean gain per step, not the pooled mean.
     #[test]
     fn tau_is_the_mean_of_the_per_prompt_means() {
         // Prompt 0: steps gaining 4, 4, 1 (mean 3); prompt 1: 1, 1, 1, 1, 1, 1 (mean 1).
         let results = vec![result(0, vec![4, 4, 1], true), result(1, vec![1; 6], true)];
-        let (tau, pooled, hist, base, spec, lossless, per) =
-            summarize(&results, &[3, 7], &[vec![1; 10], vec![2; 20]], 4);
-        assert_eq!(tau, 2.0);
-        assert_eq!(pooled, 15.0 / 9.0);
-        assert_eq!(hist, vec![7.0 / 9.0, 0.0, 0.0, 2.0 / 9.0]);
-        assert!((base / spec - 3.0).abs() < 1e-12);
-        assert!(lossless);
+        let s = summarize(
+            &results,
+            &[3, 7],
+            &request(vec![vec![1; 10], vec![2; 20]], 4),
+            "cpu".into(),
+        );
+        assert_eq!(s.tau, 2.0);
+        assert_eq!(s.pooled_tau, 15.0 / 9.0);
+        assert_eq!(s.histogram, vec![7.0 / 9.0, 0.0, 0.0, 2.0 / 9.0]);
+        assert!((s.speedup - 3.0).abs() < 1e-12);
+        assert!(
+            (s.baseline_seconds_per_token / s.speculative_seconds_per_token - 3.0).abs() < 1e-12
+        );
+        assert!(s.lossless);
+        assert_eq!(s.tokens, 10 + 7);
+        let per = &s.per_prompt;
         assert_eq!(per[0].line, 3);
         assert_eq!(
             (per[1].tau, per[1].steps, per[1].prompt_tokens),
             (1.0, 6, 20)
         );
         // An output that differs from greedy decoding is named.
+        let two = request(vec![vec![1], vec![1]], 4);
         let results = vec![result(0, vec![2], true), result(1, vec![3], false)];
-        let (.., lossless, per) = summarize(&results, &[1, 2], &[vec![1], vec![1]], 4);
-        assert!(!lossless);
-        assert!(per[0].lossless && !per[1].lossless);
+        let s = summarize(&results, &[1, 2], &two, "cpu".into());
+        assert!(!s.lossless);
+        assert!(s.per_prompt[0].lossless && !s.per_prompt[1].lossless);
         // A prompt whose first token stopped it has no steps and no τ of its own.
         let results = vec![result(0, vec![], true), result(1, vec![3, 1], true)];
-        let (tau, pooled, ..) = summarize(&results, &[1, 2], &[vec![1], vec![1]], 4);
-        assert_eq!((tau, pooled), (2.0, 2.0));
+        let s = summarize(&results, &[1, 2], &two, "cpu".into());
+        assert_eq!((s.tau, s.pooled_tau), (2.0, 2.0));
     }
 
     #[test]

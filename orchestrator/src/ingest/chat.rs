@@ -50,20 +50,11 @@ impl Template {
             text.push_str("<|begin_of_text|>");
         }
         for &(role, content) in turns {
-            let (header, content, end, newline) = match self {
-                Template::ChatMl => (
-                    format!("<|im_start|>{}\n", role.name()),
-                    content,
-                    "<|im_end|>",
-                    "\n",
-                ),
-                Template::Llama3 => (
-                    format!("<|start_header_id|>{}<|end_header_id|>\n\n", role.name()),
-                    content.trim(),
-                    "<|eot_id|>",
-                    "",
-                ),
+            let (content, newline) = match self {
+                Template::ChatMl => (content, "\n"),
+                Template::Llama3 => (content.trim(), ""),
             };
+            let (header, end) = (self.header(role), self.end_token());
             text.push_str(&header);
             let start = text.len();
             text.push_str(content);
@@ -86,12 +77,17 @@ impl Template {
         }
     }
 
-    /// The text that opens the assistant's turn: what a prompt ends with to ask for a reply.
-    pub fn assistant_header(self) -> &'static str {
+    /// The text that opens a turn of `role`.
+    fn header(self, role: Role) -> String {
         match self {
-            Template::ChatMl => "<|im_start|>assistant\n",
-            Template::Llama3 => "<|start_header_id|>assistant<|end_header_id|>\n\n",
+            Template::ChatMl => format!("<|im_start|>{}\n", role.name()),
+            Template::Llama3 => format!("<|start_header_id|>{}<|end_header_id|>\n\n", role.name()),
         }
+    }
+
+    /// The text that opens the assistant's turn: what a prompt ends with to ask for a reply.
+    pub fn assistant_header(self) -> String {
+        self.header(Role::Assistant)
     }
 }
 
@@ -206,7 +202,7 @@ impl ChatEncoder {
             .rposition(|(role, _)| *role != Role::Assistant)
             .map_or(0, |i| i + 1);
         let (mut text, _) = self.template.render(&turns[..keep]);
-        text.push_str(self.template.assistant_header());
+        text.push_str(&self.template.assistant_header());
         let encoding = self
             .tokenizer
             .encode(text.as_str(), false)

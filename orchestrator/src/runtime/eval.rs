@@ -35,13 +35,8 @@ pub struct EvalConfig {
 /// sorted.
 pub fn held_out(len: usize, n: usize, seed: u64) -> Vec<usize> {
     let mut order: Vec<usize> = (0..len).collect();
-    let take = n.min(len);
-    let mut rng = PlanRng::stream(seed, 0, Purpose::HeldOut);
-    for i in 0..take {
-        let j = i + rng.below((len - i) as u64) as usize;
-        order.swap(i, j);
-    }
-    order.truncate(take);
+    PlanRng::stream(seed, 0, Purpose::HeldOut).shuffle(&mut order);
+    order.truncate(n);
     order.sort_unstable();
     order
 }
@@ -230,15 +225,15 @@ fn evaluate(
     let _ = std::fs::remove_dir_all(target);
     let results = results.map_err(|e| e.to_string())?;
     let lines: Vec<usize> = (1..=results.len()).collect();
-    let (tau, pooled_tau, histogram, _, _, _, per_prompt) =
-        crate::commands::eval::summarize(&results, &lines, &request.prompts, request.block_size);
+    let device = gpu.map_or_else(|| "cpu".to_owned(), |g| format!("gpu:{g}"));
+    let s = crate::commands::eval::summarize(&results, &lines, request, device);
     Ok(Outcome {
         step,
-        tau,
-        pooled_tau,
-        histogram,
-        prompts: results.len(),
-        tokens: per_prompt.iter().map(|p| p.output_ids.len()).sum(),
+        tau: s.tau,
+        pooled_tau: s.pooled_tau,
+        histogram: s.histogram,
+        prompts: s.prompts,
+        tokens: s.tokens,
         seconds: started.elapsed().as_secs_f64(),
     })
 }

@@ -304,12 +304,12 @@ fn gpu_total(nvml: &Result<&'static nvml_wrapper::Nvml, String>, gpu: u32) -> Op
 
 /// The memory plan of a DFlash run with these rings.
 fn memory_plan(
-    settings: &dflash_common::dflash::DflashSettings,
+    config: &RunConfig,
+    settings: &DflashSettings,
     target: &dflash_common::dflash::Qwen3Config,
-    planner: &super::PlannerSettings,
     rings: &RingPlan,
-    eval: Option<&super::eval::EvalConfig>,
 ) -> super::memory::MemoryPlan {
+    let planner = &config.planner;
     let mut plan = super::memory::plan(
         target,
         settings,
@@ -320,7 +320,7 @@ fn memory_plan(
         u64::from(rings.input_slots) * rings.input_bytes,
     );
     // Prompts as long as the longest sequence, plus the new tokens.
-    plan.eval = eval.map(|e| {
+    plan.eval = config.eval.as_ref().map(|e| {
         let context = u64::from(planner.max_len) + u64::from(e.max_new_tokens);
         super::memory::eval_worker(target, settings, context)
     });
@@ -445,13 +445,7 @@ pub fn dry_run(config: &RunConfig, gpu_memory: Option<u64>) -> Result<DryRun, Ru
     }
     let mut gpus = Vec::new();
     if let (Some(settings), Some(target)) = (&config.dflash, &target) {
-        let p = memory_plan(
-            settings,
-            target,
-            &config.planner,
-            &rings,
-            config.eval.as_ref(),
-        );
+        let p = memory_plan(config, settings, target, &rings);
         gpus = super::memory::gpu_uses(&p, &devices, topology.targets, |g| {
             gpu_total(&nvml, g).or(gpu_memory)
         });
@@ -654,13 +648,7 @@ pub fn launch(
     if let (Some(settings), Some(target)) = (config.dflash.as_ref(), target_config.as_ref())
         && devices.iter().any(|d| matches!(d, Device::Gpu(_)))
     {
-        let plan = memory_plan(
-            settings,
-            target,
-            &config.planner,
-            &rings,
-            config.eval.as_ref(),
-        );
+        let plan = memory_plan(&config, settings, target, &rings);
         let uses =
             super::memory::gpu_uses(&plan, &devices, topology.targets, |g| gpu_total(&nvml, g));
         if let Some(why) = super::memory::refusal(&uses) {
@@ -824,6 +812,7 @@ pub fn launch(
         epoch: start.epoch,
         step_base: start.step_base,
         checksums: vec![0; planned],
+        nonfinite: vec![None; planned],
         dispatch,
         epoch_sizes: start.epoch_sizes,
         rewind_to: None,

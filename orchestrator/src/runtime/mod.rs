@@ -281,6 +281,8 @@ struct Run {
     plan: EpochPlan,
     step_base: u64,
     checksums: Vec<u32>,
+    /// Per batch of the epoch, what its target worker found not finite in its features.
+    nonfinite: Vec<Option<String>>,
     /// Slots, leases and the plan-order cursors of the current epoch.
     dispatch: Dispatch,
     /// Batches of every epoch journaled so far.
@@ -593,6 +595,9 @@ impl Run {
                         )));
                     }
                     tracing::warn!("{what} in {at}: the drafter skips its step");
+                    if let Some(slot) = self.nonfinite.get_mut(batch_id.batch as usize) {
+                        *slot = Some(format!("{what} (target worker {id})"));
+                    }
                 }
                 self.dispatch.forwarded(id as usize).map_err(|_| {
                     RunError::Failed(format!(
@@ -714,6 +719,7 @@ impl Run {
         self.step_base = base;
         let n = self.plan.batches.len();
         self.checksums = vec![0; n];
+        self.nonfinite = vec![None; n];
         self.timing = vec![(0.0, None, 0.0); n];
         if batch == 0 {
             self.bucket_batches.clear();
@@ -964,6 +970,7 @@ impl Run {
                         id: self.batch_id(batch),
                         feature: job.feature,
                         checksum: self.checksums[batch],
+                        nonfinite: self.nonfinite.get(batch).cloned().flatten(),
                         group: Group::of(
                             batch as u64,
                             self.plan.batches.len() as u64,

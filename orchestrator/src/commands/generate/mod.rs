@@ -149,20 +149,14 @@ struct Collector<'a> {
 
 impl Sink for Collector<'_> {
     fn accept(&mut self, at: &Location, sample: RawSample) -> Result<(), Stop> {
-        let cut = sample
-            .loss_mask
-            .as_ref()
-            .and_then(|m| m.iter().position(|&v| v != 0))
-            .unwrap_or(sample.input_ids.len());
-        let mut prompt = sample.input_ids;
-        prompt.truncate(cut);
-        if prompt.is_empty() {
+        let mask = sample.loss_mask.as_deref().unwrap_or(&[]);
+        let Some(prompt) = crate::runtime::eval::prompt_of(&sample.input_ids, mask) else {
             return Err(Stop::Bad {
                 at: at.clone(),
                 reason: Reason::EmptySample,
                 message: "no prompt: the first token already carries loss".into(),
             });
-        }
+        };
         self.items.push(Item {
             source: at.to_string(),
             prompt,
@@ -297,8 +291,17 @@ pub fn run(args: GenerateArgs) -> Result<(), CliError> {
         .clone()
         .unwrap_or_else(|| args.target_model.join("tokenizer.json"));
     let template = args.chat_template;
+    // Read once: it renders conversations and decodes responses (Qwen3's is 11 MB of JSON).
+    let tokenizer = if tokenizer_path.is_file() {
+        Some(load_tokenizer(&tokenizer_path).map_err(invalid)?)
+    } else {
+        None
+    };
     let make_encoder = || {
-        let tok = load_tokenizer(&tokenizer_path)?;
+        let tok = match &tokenizer {
+            Some(t) => t.clone(),
+            None => load_tokenizer(&tokenizer_path)?,
+        };
         ChatEncoder::new(tok, &tokenizer_path, template)
     };
     let items = read_items(&args.inputs, args.format, make_encoder).map_err(invalid)?;
@@ -307,11 +310,6 @@ pub fn run(args: GenerateArgs) -> Result<(), CliError> {
         crate::commands::eval::check_prompt(&item.source, &item.prompt, &target, max_new)
             .map_err(invalid)?;
     }
-    let tokenizer = if tokenizer_path.is_file() {
-        Some(load_tokenizer(&tokenizer_path).map_err(invalid)?)
-    } else {
-        None
-    };
     let stop_token_ids = match &args.stop_token_ids {
         Some(ids) => ids.clone(),
         None => crate::commands::eval::eos_tokens(&args.target_model).map_err(invalid)?,
