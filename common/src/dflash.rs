@@ -1,9 +1,8 @@
-//! The DFlash stage's settings (chosen at launch, kept in the journal, handed to every worker) and
-//! the checks of a target model directory that both sides make: the orchestrator before any worker
-//! starts, the workers when they load it.
+//! The DFlash stage's settings (chosen at launch, kept in the journal, handed to every worker),
+//! and what both sides read of a target model directory: its `config.json` and where its weights
+//! are. The deeper checks of the weights, made before a run starts, are the orchestrator's.
 
 use std::collections::BTreeMap;
-use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -74,7 +73,7 @@ pub struct DflashSettings {
 }
 
 fn default_kd_temperature() -> f64 {
-    1.0
+    0.1
 }
 
 fn default_kd_weight() -> f64 {
@@ -249,6 +248,74 @@ impl Qwen3Config {
         self.head_dim
             .unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
     }
+
+    /// The shape this config describes.
+    pub fn shape(&self) -> Qwen3Shape {
+        Qwen3Shape {
+            vocab: self.vocab_size,
+            hidden: self.hidden_size,
+            intermediate: self.intermediate_size,
+            layers: self.num_hidden_layers,
+            heads: self.num_attention_heads,
+            kv_heads: self.num_key_value_heads,
+            head_dim: self.head_dim(),
+            rms_eps: self.rms_norm_eps,
+            rope_theta: self.rope_theta,
+        }
+    }
+}
+
+/// The shape of a stack of Qwen3 decoder layers: a target's (from its config.json), the tiny
+/// target `init-tiny` writes, or a drafter's (the target's sizes, its own layer count).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Qwen3Shape {
+    pub vocab: usize,
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub rms_eps: f64,
+    pub rope_theta: f64,
+}
+
+impl Qwen3Shape {
+    /// `(name, shape, is_norm)` of every tensor of a Qwen3 model of this shape with its first
+    /// `layers` decoder layers, in a fixed order: the embedding, the layers, the final norm and
+    /// the output head.
+    pub fn tensors(&self, layers: usize) -> Vec<(String, Vec<usize>, bool)> {
+        let (h, hd, i) = (self.hidden, self.head_dim, self.intermediate);
+        let (q, kv) = (self.heads * hd, self.kv_heads * hd);
+        let mut t = vec![(
+            "model.embed_tokens.weight".to_owned(),
+            vec![self.vocab, h],
+            false,
+        )];
+        for l in 0..layers.min(self.layers) {
+            let p = format!("model.layers.{l}");
+            t.extend([
+                (format!("{p}.input_layernorm.weight"), vec![h], true),
+                (format!("{p}.self_attn.q_proj.weight"), vec![q, h], false),
+                (format!("{p}.self_attn.k_proj.weight"), vec![kv, h], false),
+                (format!("{p}.self_attn.v_proj.weight"), vec![kv, h], false),
+                (format!("{p}.self_attn.o_proj.weight"), vec![h, q], false),
+                (format!("{p}.self_attn.q_norm.weight"), vec![hd], true),
+                (format!("{p}.self_attn.k_norm.weight"), vec![hd], true),
+                (
+                    format!("{p}.post_attention_layernorm.weight"),
+                    vec![h],
+                    true,
+                ),
+                (format!("{p}.mlp.gate_proj.weight"), vec![i, h], false),
+                (format!("{p}.mlp.up_proj.weight"), vec![i, h], false),
+                (format!("{p}.mlp.down_proj.weight"), vec![h, i], false),
+            ]);
+        }
+        t.push(("model.norm.weight".to_owned(), vec![h], true));
+        t.push(("lm_head.weight".to_owned(), vec![self.vocab, h], false));
+        t
+    }
 }
 
 /// A model directory that cannot be used, with the file at fault.
@@ -350,140 +417,6 @@ pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, ModelDirError> {
             }
         })
         .collect()
-}
-
-/// The JSON header of a safetensors file (its tensor table) and the file's size, without reading
-/// the data.
-pub fn safetensors_header(path: &Path) -> Result<(Vec<u8>, u64), ModelDirError> {
-    let mut file =
-        std::fs::File::open(path).map_err(|e| invalid(path, format!("cannot open: {e}")))?;
-    let size = file.metadata().map(|m| m.len()).unwrap_or(0);
-    let mut head = [0u8; 8];
-    file.read_exact(&mut head)
-        .map_err(|_| invalid(path, "not a safetensors file (shorter than its header)"))?;
-    let n = u64::from_le_bytes(head);
-    if n > 100_000_000 || n + 8 > size {
-        return Err(invalid(
-            path,
-            format!("not a safetensors file (header of {n} bytes in a file of {size})"),
-        ));
-    }
-    let mut header = vec![0u8; n as usize];
-    file.read_exact(&mut header)
-        .map_err(|e| invalid(path, format!("cannot read the header: {e}")))?;
-    Ok((header, size))
-}
-
-/// Reads the tensor table (name -> shape) of a safetensors file without reading its data, and
-/// checks that the data the table describes is all there.
-pub fn tensor_shapes(path: &Path) -> Result<BTreeMap<String, Vec<usize>>, ModelDirError> {
-    let (header, size) = safetensors_header(path)?;
-    let n = header.len() as u64;
-    #[derive(Deserialize)]
-    struct Entry {
-        dtype: String,
-        shape: Vec<usize>,
-        data_offsets: (u64, u64),
-    }
-    let table: BTreeMap<String, serde_json::Value> = serde_json::from_slice(&header)
-        .map_err(|e| invalid(path, format!("bad safetensors header: {e}")))?;
-    let mut shapes = BTreeMap::new();
-    for (name, value) in table {
-        if name == "__metadata__" {
-            continue;
-        }
-        let entry: Entry = serde_json::from_value(value)
-            .map_err(|e| invalid(path, format!("tensor {name}: {e}")))?;
-        let width = match entry.dtype.as_str() {
-            "F32" => 4,
-            "F16" | "BF16" => 2,
-            other => {
-                return Err(invalid(
-                    path,
-                    format!("tensor {name} has dtype {other} (F32, F16 or BF16 expected)"),
-                ));
-            }
-        };
-        let elements = entry
-            .shape
-            .iter()
-            .try_fold(1u64, |acc, &d| acc.checked_mul(d as u64));
-        let (from, to) = entry.data_offsets;
-        if elements.and_then(|e| e.checked_mul(width)) != to.checked_sub(from) || to > size - 8 - n
-        {
-            return Err(invalid(
-                path,
-                format!(
-                    "tensor {name}: its data is missing or does not match its shape (file truncated?)"
-                ),
-            ));
-        }
-        shapes.insert(name, entry.shape);
-    }
-    Ok(shapes)
-}
-
-/// Checks that the weights in `dir` hold every tensor a run needs, with the shapes `config`
-/// implies: the embedding, the output head (unless tied), and the decoder layers up to `layers`.
-pub fn check_weights(dir: &Path, config: &Qwen3Config, layers: usize) -> Result<(), ModelDirError> {
-    let mut shapes = BTreeMap::new();
-    for file in weight_files(dir)? {
-        shapes.append(&mut tensor_shapes(&file)?);
-    }
-    let c = config;
-    let (h, hd) = (c.hidden_size, c.head_dim());
-    let (q, kv) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
-    let mut wanted: Vec<(String, Vec<usize>)> =
-        vec![("model.embed_tokens.weight".into(), vec![c.vocab_size, h])];
-    if !c.tie_word_embeddings {
-        wanted.push(("lm_head.weight".into(), vec![c.vocab_size, h]));
-    }
-    for i in 0..layers.min(c.num_hidden_layers) {
-        let p = format!("model.layers.{i}");
-        wanted.extend([
-            (format!("{p}.input_layernorm.weight"), vec![h]),
-            (format!("{p}.self_attn.q_proj.weight"), vec![q, h]),
-            (format!("{p}.self_attn.k_proj.weight"), vec![kv, h]),
-            (format!("{p}.self_attn.v_proj.weight"), vec![kv, h]),
-            (format!("{p}.self_attn.o_proj.weight"), vec![h, q]),
-            (format!("{p}.self_attn.q_norm.weight"), vec![hd]),
-            (format!("{p}.self_attn.k_norm.weight"), vec![hd]),
-            (format!("{p}.post_attention_layernorm.weight"), vec![h]),
-            (
-                format!("{p}.mlp.gate_proj.weight"),
-                vec![c.intermediate_size, h],
-            ),
-            (
-                format!("{p}.mlp.up_proj.weight"),
-                vec![c.intermediate_size, h],
-            ),
-            (
-                format!("{p}.mlp.down_proj.weight"),
-                vec![h, c.intermediate_size],
-            ),
-        ]);
-    }
-    for (name, shape) in wanted {
-        match shapes.get(&name) {
-            None => {
-                return Err(invalid(
-                    dir,
-                    format!(
-                        "the weights have no {name} (config.json says Qwen3 with {} layers)",
-                        c.num_hidden_layers
-                    ),
-                ));
-            }
-            Some(found) if *found != shape => {
-                return Err(invalid(
-                    dir,
-                    format!("{name} has shape {found:?}, config.json implies {shape:?}"),
-                ));
-            }
-            Some(_) => {}
-        }
-    }
-    Ok(())
 }
 
 /// The default `target_layer_ids` for `draft_layers` drafter layers on a target of
@@ -592,12 +525,13 @@ impl DflashSettings {
     /// which the drafter computes the target's next-token distribution with the frozen lm_head.
     pub fn feature_width(&self, target: &Qwen3Config) -> u64 {
         let states = self.target_layer_ids.len() + usize::from(self.distill().is_some());
-        (states * target.hidden_size) as u64
+        (states as u64).saturating_mul(target.hidden_size as u64)
     }
 
     /// Bytes of a token's features in the feature ring.
     pub fn feature_bytes_per_token(&self, target: &Qwen3Config) -> u64 {
-        self.feature_width(target) * self.feature_dtype.bytes()
+        self.feature_width(target)
+            .saturating_mul(self.feature_dtype.bytes())
     }
 
     /// Decoder layers a target worker runs, of the target's `target_layers`: up to the last
@@ -678,45 +612,6 @@ mod tests {
         std::fs::write(dir.join("config.json"), config(1 << 32, 1 << 32)).unwrap();
         let e = read_config(&dir).unwrap_err().to_string();
         assert!(e.contains("too large"), "{e}");
-        std::fs::remove_dir_all(&dir).unwrap();
-    }
-
-    #[test]
-    fn bad_safetensors_headers_are_named() {
-        let dir = std::env::temp_dir().join(format!("dflash-st-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let p = dir.join("x.safetensors");
-        for (bytes, want) in [
-            (b"abc".to_vec(), "shorter than its header"),
-            (
-                [&u64::MAX.to_le_bytes()[..], b"{}"].concat(),
-                "not a safetensors file",
-            ),
-            (
-                [&2u64.to_le_bytes()[..], b"[]"].concat(),
-                "bad safetensors header",
-            ),
-            (
-                [
-                    &54u64.to_le_bytes()[..],
-                    br#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#,
-                ]
-                .concat(),
-                "file truncated",
-            ),
-        ] {
-            std::fs::write(&p, &bytes).unwrap();
-            let e = tensor_shapes(&p).unwrap_err().to_string();
-            assert!(e.contains(want), "{e}");
-        }
-        let good = [
-            &54u64.to_le_bytes()[..],
-            br#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#,
-            &[0u8; 8],
-        ]
-        .concat();
-        std::fs::write(&p, &good).unwrap();
-        assert_eq!(tensor_shapes(&p).unwrap()["a"], vec![2]);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

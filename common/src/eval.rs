@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::dflash::{ModelDirError, Precision, Qwen3Config};
+use crate::dflash::{ModelDirError, Precision, Qwen3Config, Qwen3Shape};
 
 /// Version of [`EvalRequest`] and [`PromptResult`]; a worker refuses another.
 pub const EVAL_VERSION: u32 = 1;
@@ -18,15 +18,8 @@ pub const EVAL_VERSION: u32 = 1;
 /// from `dflash_config`, else from the top level.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DraftConfig {
-    pub hidden_size: usize,
-    pub intermediate_size: usize,
-    pub num_hidden_layers: usize,
-    pub num_attention_heads: usize,
-    pub num_key_value_heads: usize,
-    pub head_dim: usize,
-    pub rms_norm_eps: f64,
-    pub rope_theta: f64,
-    pub vocab_size: usize,
+    /// The drafter's layers: the target's widths and heads, its own layer count.
+    pub shape: Qwen3Shape,
     pub block_size: usize,
     pub mask_token_id: u32,
     pub target_layer_ids: Vec<usize>,
@@ -141,15 +134,17 @@ impl DraftConfig {
             return Err("rms_norm_eps must be positive".into());
         }
         Ok(Self {
-            hidden_size: raw.hidden_size,
-            intermediate_size: raw.intermediate_size,
-            num_hidden_layers: raw.num_hidden_layers,
-            num_attention_heads: heads,
-            num_key_value_heads: raw.num_key_value_heads,
-            head_dim,
-            rms_norm_eps: raw.rms_norm_eps,
-            rope_theta: raw.rope_theta.unwrap_or(10_000.0),
-            vocab_size: raw.vocab_size,
+            shape: Qwen3Shape {
+                vocab: raw.vocab_size,
+                hidden: raw.hidden_size,
+                intermediate: raw.intermediate_size,
+                layers: raw.num_hidden_layers,
+                heads,
+                kv_heads: raw.num_key_value_heads,
+                head_dim,
+                rms_eps: raw.rms_norm_eps,
+                rope_theta: raw.rope_theta.unwrap_or(10_000.0),
+            },
             block_size,
             mask_token_id,
             target_layer_ids,
@@ -175,17 +170,17 @@ impl DraftConfig {
                 self.target_layer_ids
             ));
         }
-        let width = self.target_hidden_size.unwrap_or(self.hidden_size);
-        if width != target.hidden_size || self.hidden_size != target.hidden_size {
+        let width = self.target_hidden_size.unwrap_or(self.shape.hidden);
+        if width != target.hidden_size || self.shape.hidden != target.hidden_size {
             return Err(format!(
                 "the drafter's hidden size is {width}, the target's {}",
                 target.hidden_size
             ));
         }
-        if self.vocab_size != target.vocab_size {
+        if self.shape.vocab != target.vocab_size {
             return Err(format!(
                 "the drafter's vocabulary has {} tokens, the target's {}",
-                self.vocab_size, target.vocab_size
+                self.shape.vocab, target.vocab_size
             ));
         }
         if self.mask_token_id as usize >= target.vocab_size {
@@ -296,7 +291,7 @@ mod tests {
         assert_eq!(c.block_size, 16);
         assert_eq!(c.mask_token_id, 3);
         assert_eq!(c.target_layer_ids, vec![1, 2]);
-        assert_eq!(c.head_dim, 16);
+        assert_eq!(c.shape.head_dim, 16);
     }
 
     #[test]
@@ -361,14 +356,14 @@ mod tests {
             assert!(err.contains(want), "{extra}: {err}");
         }
         let mut wide = parse(ok);
-        wide.vocab_size = 600;
+        wide.shape.vocab = 600;
         assert!(
             wide.check_target(&target)
                 .unwrap_err()
                 .contains("vocabulary")
         );
-        wide.vocab_size = 512;
-        wide.hidden_size = 32;
+        wide.shape.vocab = 512;
+        wide.shape.hidden = 32;
         assert!(
             wide.check_target(&target)
                 .unwrap_err()

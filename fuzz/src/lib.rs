@@ -535,7 +535,7 @@ pub fn model(data: &[u8]) {
         0 => {
             let path = dir.join("model.safetensors");
             write(&path, rest);
-            let _ = dflash::tensor_shapes(&path);
+            let _ = dflash_orch::model_dir::tensor_shapes(&path);
         }
         1 => {
             write(&dir.join("config.json"), rest);
@@ -552,7 +552,7 @@ pub fn model(data: &[u8]) {
             write(&dir.join("model.safetensors"), weights);
             if let Ok(config) = dflash::read_config(&dir) {
                 let layers = layers.first().map_or(usize::MAX, |&l| usize::from(l));
-                let _ = dflash::check_weights(&dir, &config, layers);
+                let _ = dflash_orch::model_dir::check_weights(&dir, &config, layers);
             }
         }
     }

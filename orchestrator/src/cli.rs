@@ -3,9 +3,9 @@
 use std::process::ExitCode;
 
 use clap::{ArgAction, Parser, Subcommand};
-use dflash_common::exit_code;
 
 use crate::commands;
+use crate::error::CliError;
 
 const AFTER_HELP: &str = "\
 Exit codes:
@@ -64,106 +64,6 @@ pub enum Command {
     /// training replies (generate), prepare, launch, then served acceptance before and after
     /// training by speculative decoding (eval) (a few minutes; no GPU, no downloads).
     Demo(commands::demo::DemoArgs),
-}
-
-/// A failure of a command, with the exit code it maps to.
-#[derive(Debug, thiserror::Error)]
-pub enum CliError {
-    /// Bad arguments or bad input data: exit code 2.
-    #[error("{0}")]
-    Invalid(String),
-    /// The command failed while working: exit code 1.
-    #[error("{context}: {source}")]
-    Io {
-        context: String,
-        #[source]
-        source: std::io::Error,
-    },
-    /// The command failed while working, with a message of its own: exit code 1.
-    #[error("{0}")]
-    Failed(String),
-    /// Stopped by SIGINT or SIGTERM before finishing: exit code 130.
-    #[error("interrupted: {0}")]
-    Interrupted(String),
-}
-
-impl CliError {
-    pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
-        CliError::Io {
-            context: context.into(),
-            source,
-        }
-    }
-
-    pub fn exit_code(&self) -> u8 {
-        match self {
-            CliError::Invalid(_) => exit_code::INVALID,
-            CliError::Io { .. } | CliError::Failed(_) => exit_code::FAILURE,
-            CliError::Interrupted(_) => exit_code::INTERRUPTED,
-        }
-    }
-}
-
-impl From<crate::planner::PlanError> for CliError {
-    fn from(e: crate::planner::PlanError) -> Self {
-        CliError::Invalid(e.to_string())
-    }
-}
-
-/// Prints a command's result on stdout: `value` as one JSON line with `--json`, else `text()`.
-pub fn print_result<T: serde::Serialize>(
-    json: bool,
-    value: &T,
-    text: impl FnOnce() -> String,
-) -> Result<(), CliError> {
-    use std::io::Write;
-    let mut out = std::io::stdout().lock();
-    let printed = if json {
-        serde_json::to_writer(&mut out, value)
-            .map_err(std::io::Error::from)
-            .and_then(|()| writeln!(out))
-    } else {
-        out.write_all(text().as_bytes())
-    };
-    printed.map_err(|e| CliError::io("failed to write to stdout", e))
-}
-
-/// SIGINT and SIGTERM set the returned flag: the command stops cleanly at its next chance (no
-/// half-written output, workers stopped). A second signal ends the process at once with 130.
-pub fn watch_stop_signals() -> std::sync::Arc<std::sync::atomic::AtomicBool> {
-    use std::sync::Arc;
-    let flag = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-        let code = i32::from(exit_code::INTERRUPTED);
-        let _ = signal_hook::flag::register_conditional_shutdown(signal, code, Arc::clone(&flag));
-        let _ = signal_hook::flag::register(signal, Arc::clone(&flag));
-    }
-    flag
-}
-
-/// Counts SIGINT, SIGTERM and SIGHUP (a closed terminal) for a run, which stops cleanly at the first and at once at the second
-/// (the run still removes its workers and shared memory); a third ends the process where it is.
-pub fn count_stop_signals() -> std::sync::Arc<std::sync::atomic::AtomicUsize> {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    let count = std::sync::Arc::new(AtomicUsize::new(0));
-    let signals = [
-        signal_hook::consts::SIGINT,
-        signal_hook::consts::SIGTERM,
-        signal_hook::consts::SIGHUP,
-    ];
-    if let Ok(mut incoming) = signal_hook::iterator::Signals::new(signals) {
-        let seen = std::sync::Arc::clone(&count);
-        let _ = std::thread::Builder::new()
-            .name("signals".into())
-            .spawn(move || {
-                for _ in incoming.forever() {
-                    if seen.fetch_add(1, Ordering::SeqCst) + 1 >= 3 {
-                        std::process::exit(i32::from(exit_code::INTERRUPTED));
-                    }
-                }
-            });
-    }
-    count
 }
 
 fn init_logging(verbose: u8) {

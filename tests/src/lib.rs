@@ -153,25 +153,9 @@ pub fn assert_clean(run_dir: &Path) {
     assert!(left.is_empty(), "segments left: {left:?}");
 }
 
-/// The run id of a run directory, derived as the orchestrator derives it (FNV-1a of the canonical
-/// path): what its shared-memory segments are named after.
-/// A run directory not created yet is named by its parent's canonical path and its own name.
-pub fn run_id(run_dir: &Path) -> String {
-    // Same derivation as the orchestrator (FNV-1a of the canonical path).
-    let canonical = run_dir.canonicalize().unwrap_or_else(|_| {
-        let parent = run_dir.parent().expect("a run directory has a parent");
-        parent
-            .canonicalize()
-            .unwrap()
-            .join(run_dir.file_name().expect("a run directory has a name"))
-    });
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in canonical.as_os_str().as_encoded_bytes() {
-        h ^= u64::from(*b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    format!("{h:016x}")
-}
+/// The run id of a run directory, what its shared-memory segments are named after: the
+/// orchestrator's own function, so the two cannot drift apart.
+pub use dflash_common::run_dir::run_id;
 
 pub fn finish(child: Child) -> Output {
     let out = child.wait_with_output().unwrap();

@@ -58,6 +58,25 @@ fn prepare(args: &[&str]) -> std::process::Output {
     orch(&all)
 }
 
+/// `prepare`'s summary kept `samples` samples and skipped `skipped` for `reason`.
+fn assert_kept_and_skipped(summary: &Value, samples: u64, reason: &str, skipped: u64) {
+    assert_eq!(
+        (
+            summary["samples"].as_u64(),
+            summary["skipped"][reason].as_u64()
+        ),
+        (Some(samples), Some(skipped)),
+        "{summary}"
+    );
+}
+
+/// Runs `prepare ARGS --json`, which must succeed, and returns its summary.
+fn prepare_json(args: &[&str]) -> Value {
+    let mut all = args.to_vec();
+    all.push("--json");
+    serde_json::from_str(&stdout_ok(&prepare(&all))).unwrap()
+}
+
 /// Nothing but `keep` in `dir`: no store, no temporary directory.
 fn assert_only(dir: &Path, keep: &[&str]) {
     let mut names: Vec<String> = fs::read_dir(dir)
@@ -142,15 +161,13 @@ fn conversations_tokenize_like_the_reference() {
 fn several_inputs_make_one_store_in_order() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("store");
-    let text = stdout_ok(&prepare(&[
+    let summary = prepare_json(&[
         "--input",
         arg(&fixture("pretok.jsonl")),
         arg(&fixture("hf_dataset")),
         "--output",
         arg(&out),
-        "--json",
-    ]));
-    let summary: Value = serde_json::from_str(&text).unwrap();
+    ]);
     assert_eq!(summary["samples"], 80);
     assert_eq!(
         summary["sources"].as_array().unwrap().len(),
@@ -190,8 +207,8 @@ fn check_bad_line(bad: &str, reason: &str, needle: &str, extra: &[&str]) {
     assert!(stderr.contains(reason), "{reason} not in {stderr}");
     assert_only(dir.path(), &["data.jsonl"]);
 
-    args.extend_from_slice(&["--on-bad", "skip", "--json"]);
-    let summary: Value = serde_json::from_str(&stdout_ok(&prepare(&args))).unwrap();
+    args.extend_from_slice(&["--on-bad", "skip"]);
+    let summary = prepare_json(&args);
     assert_eq!(summary["samples"], 3, "{bad}");
     assert_eq!(summary["skipped"][reason], 1, "{summary}");
     let meta: Value =
@@ -293,7 +310,7 @@ fn check_bad_file(dir: &Path, bad: &Path, reason: &str, good: &str) {
     assert_refused(&failed, 2, name);
     assert!(String::from_utf8_lossy(&failed.stderr).contains(reason));
     assert_only(dir, &keep);
-    let text = stdout_ok(&prepare(&[
+    let summary = prepare_json(&[
         "--input",
         arg(bad),
         arg(&fixture(good)),
@@ -301,16 +318,8 @@ fn check_bad_file(dir: &Path, bad: &Path, reason: &str, good: &str) {
         arg(&out),
         "--on-bad",
         "skip",
-        "--json",
-    ]));
-    let summary: Value = serde_json::from_str(&text).unwrap();
-    assert_eq!(
-        (
-            summary["samples"].as_u64(),
-            summary["skipped"][reason].as_u64()
-        ),
-        (Some(40), Some(1))
-    );
+    ]);
+    assert_kept_and_skipped(&summary, 40, reason, 1);
 }
 
 #[test]
@@ -341,17 +350,10 @@ fn too_few_loss_tokens_is_filtered_and_counted() {
     let (dir, input) = jsonl(&[good(40), short_loss, good(40)]);
     let out = dir.path().join("store");
     // A filter, not bad input: applied and counted even with --on-bad fail.
-    let text = stdout_ok(&prepare(&[
-        "--input",
-        arg(&input),
-        "--output",
-        arg(&out),
-        "--json",
-    ]));
-    let summary: Value = serde_json::from_str(&text).unwrap();
+    let summary = prepare_json(&["--input", arg(&input), "--output", arg(&out)]);
     assert_eq!(summary["samples"], 2);
     assert_eq!(summary["skipped"]["too_few_loss_tokens"], 1);
-    let text = stdout_ok(&prepare(&[
+    let summary = prepare_json(&[
         "--input",
         arg(&input),
         "--output",
@@ -359,9 +361,7 @@ fn too_few_loss_tokens_is_filtered_and_counted() {
         "--force",
         "--min-loss-tokens",
         "10",
-        "--json",
-    ]));
-    let summary: Value = serde_json::from_str(&text).unwrap();
+    ]);
     assert_eq!(summary["samples"], 3);
 }
 
@@ -369,16 +369,14 @@ fn too_few_loss_tokens_is_filtered_and_counted() {
 fn overlong_samples_under_each_policy() {
     let (dir, input) = jsonl(&[good(40), good(300), good(100)]);
     let out = dir.path().join("store");
-    let text = stdout_ok(&prepare(&[
+    let summary = prepare_json(&[
         "--input",
         arg(&input),
         "--output",
         arg(&out),
         "--max-len",
         "120",
-        "--json",
-    ]));
-    let summary: Value = serde_json::from_str(&text).unwrap();
+    ]);
     assert_eq!(
         (summary["samples"].as_u64(), summary["truncated"].as_u64()),
         (Some(3), Some(1))
@@ -387,7 +385,7 @@ fn overlong_samples_under_each_policy() {
     assert_eq!(store.lengths(), vec![40, 120, 100]);
     assert_eq!(store.tokens(1), &(0..120).collect::<Vec<u32>>()[..]);
 
-    let text = stdout_ok(&prepare(&[
+    let summary = prepare_json(&[
         "--input",
         arg(&input),
         "--output",
@@ -397,16 +395,8 @@ fn overlong_samples_under_each_policy() {
         "120",
         "--on-overlong",
         "drop",
-        "--json",
-    ]));
-    let summary: Value = serde_json::from_str(&text).unwrap();
-    assert_eq!(
-        (
-            summary["samples"].as_u64(),
-            summary["skipped"]["overlong"].as_u64()
-        ),
-        (Some(2), Some(1))
-    );
+    ]);
+    assert_kept_and_skipped(&summary, 2, "overlong", 1);
     assert_eq!(Store::open(&out).unwrap().lengths(), vec![40, 100]);
 }
 
@@ -434,7 +424,7 @@ fn unknown_role_in_a_conversation() {
     assert_refused(&failed, 2, &format!("{}:3", input.display()));
     assert!(String::from_utf8_lossy(&failed.stderr).contains("unknown role \"narrator\""));
     assert_only(dir.path(), &["data.jsonl"]);
-    let text = stdout_ok(&prepare(&[
+    let summary = prepare_json(&[
         "--input",
         arg(&input),
         "--tokenizer",
@@ -443,16 +433,8 @@ fn unknown_role_in_a_conversation() {
         arg(&out),
         "--on-bad",
         "skip",
-        "--json",
-    ]));
-    let summary: Value = serde_json::from_str(&text).unwrap();
-    assert_eq!(
-        (
-            summary["samples"].as_u64(),
-            summary["skipped"]["unknown_role"].as_u64()
-        ),
-        (Some(3), Some(1))
-    );
+    ]);
+    assert_kept_and_skipped(&summary, 3, "unknown_role", 1);
     // Conversations need a tokenizer.
     assert_refused(
         &prepare(&[

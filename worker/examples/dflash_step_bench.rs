@@ -180,20 +180,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let all = Tensor::from_vec(values, (total, width), &device)?;
 
     // Drafter training: one micro-batch per optimiser step.
-    let config = DrafterConfig {
-        hidden: target.hidden_size,
-        intermediate: target.intermediate_size,
-        layers: args.draft_layers,
-        heads: target.num_attention_heads,
-        kv_heads: target.num_key_value_heads,
-        head_dim: target.head_dim(),
-        rms_eps: target.rms_norm_eps,
-        rope_theta: target.rope_theta,
-        block_size: args.block_size,
-        mask_token_id: (target.vocab_size - 1) as u32,
-        target_layer_ids: args.target_layer_ids.clone(),
-        vocab: target.vocab_size,
-    };
+    let config = DrafterConfig::for_target(
+        &target,
+        args.draft_layers,
+        args.block_size,
+        (target.vocab_size - 1) as u32,
+        args.target_layer_ids.clone(),
+    );
     let drafter = Drafter::new(config.clone(), args.seed, &device)?;
     if let Some(path) = &args.dump_init {
         let map: HashMap<String, Tensor> = drafter

@@ -700,17 +700,17 @@ pub fn hf_config(drafter: &Drafter, target: &Qwen3Config) -> Value {
             "target_layer_ids": c.target_layer_ids,
         },
         "num_target_layers": target.num_hidden_layers,
-        "vocab_size": c.vocab,
-        "hidden_size": c.hidden,
-        "intermediate_size": c.intermediate,
-        "num_hidden_layers": c.layers,
-        "layer_types": vec!["full_attention"; c.layers],
-        "num_attention_heads": c.heads,
-        "num_key_value_heads": c.kv_heads,
-        "head_dim": c.head_dim,
+        "vocab_size": c.shape.vocab,
+        "hidden_size": c.shape.hidden,
+        "intermediate_size": c.shape.intermediate,
+        "num_hidden_layers": c.shape.layers,
+        "layer_types": vec!["full_attention"; c.shape.layers],
+        "num_attention_heads": c.shape.heads,
+        "num_key_value_heads": c.shape.kv_heads,
+        "head_dim": c.shape.head_dim,
         "hidden_act": "silu",
-        "rms_norm_eps": c.rms_eps,
-        "rope_theta": c.rope_theta,
+        "rms_norm_eps": c.shape.rms_eps,
+        "rope_theta": c.shape.rope_theta,
         "max_position_embeddings": target.max_position_embeddings.unwrap_or(32_768),
         "tie_word_embeddings": false,
         "attention_bias": false,
@@ -800,21 +800,24 @@ mod resume_tests {
     use super::*;
     use crate::model::drafter::DrafterConfig;
     use crate::train::{AdamWConfig, grads_of};
+    use dflash_common::dflash::Qwen3Shape;
 
     fn drafter() -> Drafter {
         let config = DrafterConfig {
-            hidden: 16,
-            intermediate: 32,
-            layers: 1,
-            heads: 2,
-            kv_heads: 1,
-            head_dim: 8,
-            rms_eps: 1e-6,
-            rope_theta: 10_000.0,
+            shape: Qwen3Shape {
+                hidden: 16,
+                intermediate: 32,
+                layers: 1,
+                heads: 2,
+                kv_heads: 1,
+                head_dim: 8,
+                rms_eps: 1e-6,
+                rope_theta: 10_000.0,
+                vocab: 20,
+            },
             block_size: 3,
             mask_token_id: 1,
             target_layer_ids: vec![1],
-            vocab: 20,
         };
         Drafter::new(config, 3, &Device::Cpu).unwrap()
     }
@@ -868,17 +871,25 @@ mod resume_tests {
         let c = &d.config;
         assert_eq!(
             (
-                read.hidden_size,
-                read.num_hidden_layers,
+                read.shape.hidden,
+                read.shape.layers,
                 read.block_size,
                 read.mask_token_id
             ),
-            (c.hidden, c.layers, c.block_size, c.mask_token_id)
+            (
+                c.shape.hidden,
+                c.shape.layers,
+                c.block_size,
+                c.mask_token_id
+            )
         );
         assert_eq!(read.target_layer_ids, c.target_layer_ids);
         assert_eq!(read.num_target_layers, Some(4));
         assert_eq!(value["block_size"], value["dflash_config"]["block_size"]);
-        assert_eq!(value["layer_types"].as_array().unwrap().len(), c.layers);
+        assert_eq!(
+            value["layer_types"].as_array().unwrap().len(),
+            c.shape.layers
+        );
         assert_eq!(value["auto_map"]["AutoModel"], "dflash.DFlashDraftModel");
     }
 

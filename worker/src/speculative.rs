@@ -271,18 +271,10 @@ pub fn load_drafter_with(
     };
     let c = DraftConfig::read(dir)?;
     let config = DrafterConfig {
-        hidden: c.hidden_size,
-        intermediate: c.intermediate_size,
-        layers: c.num_hidden_layers,
-        heads: c.num_attention_heads,
-        kv_heads: c.num_key_value_heads,
-        head_dim: c.head_dim,
-        rms_eps: c.rms_norm_eps,
-        rope_theta: c.rope_theta,
+        shape: c.shape.clone(),
         block_size: c.block_size,
         mask_token_id: c.mask_token_id,
         target_layer_ids: c.target_layer_ids.clone(),
-        vocab: c.vocab_size,
     };
     if let Some(seed) = init_seed {
         return Ok(Drafter::new(config, seed, device)?.with_compute(compute));

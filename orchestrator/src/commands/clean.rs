@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use clap::Args;
 
-use crate::cli::CliError;
+use crate::error::CliError;
 use crate::runtime;
 
 #[derive(Debug, Clone, Args)]

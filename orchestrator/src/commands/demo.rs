@@ -13,7 +13,7 @@ use std::process::Command;
 use clap::Args;
 use serde_json::{Value, json};
 
-use crate::cli::CliError;
+use crate::error::CliError;
 use crate::planner::rng::{PlanRng, Purpose};
 use crate::runtime::metrics;
 
@@ -524,8 +524,7 @@ pub fn run(args: DemoArgs) -> Result<(), CliError> {
     };
     let before = served("[6/7]", Some(args.seed))?;
     let after = served("[7/7]", None)?;
-    let lines = metrics::read(&run_dir)
-        .map_err(|e| CliError::io(format!("cannot read {}", metrics::FILE), e))?;
+    let lines = crate::observe::history::train_steps(&run_dir)?;
     if lines.len() < 10 {
         return Err(CliError::Failed(format!(
             "the run recorded only {} optimiser steps",

@@ -18,7 +18,7 @@ use dflash_common::dflash::{Precision, Qwen3Config};
 use dflash_common::eval::{DraftConfig, EVAL_VERSION, EvalRequest, PromptResult};
 use serde::Serialize;
 
-use crate::cli::CliError;
+use crate::error::CliError;
 use crate::ingest::chat::{ChatEncoder, Template, load_tokenizer, parse_conversation};
 use crate::ingest::jsonl::parse_pretokenized;
 use crate::options::DtypeChoice;
@@ -491,7 +491,7 @@ pub struct Prepared {
 pub fn prepare(args: &EvalArgs) -> Result<Prepared, CliError> {
     let target = dflash_common::dflash::read_config(&args.target_model)
         .map_err(|e| invalid(format!("--target-model {e}")))?;
-    dflash_common::dflash::check_weights(&args.target_model, &target, target.num_hidden_layers)
+    crate::model_dir::check_weights(&args.target_model, &target, target.num_hidden_layers)
         .map_err(|e| invalid(format!("--target-model {e}")))?;
     let drafter = resolve_drafter(&args.drafter).map_err(invalid)?;
     let draft = DraftConfig::read(&drafter).map_err(|e| invalid(format!("--drafter {e}")))?;
@@ -649,7 +649,7 @@ pub fn render(s: &EvalSummary) -> String {
 pub fn run(args: EvalArgs) -> Result<(), CliError> {
     let prepared = prepare(&args)?;
     let summary = evaluate(&prepared, args.gpu, args.json)?;
-    crate::cli::print_result(args.json, &summary, || render(&summary))
+    crate::commands::print_result(args.json, &summary, || render(&summary))
 }
 
 #[cfg(test)]

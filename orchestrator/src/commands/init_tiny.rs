@@ -11,7 +11,9 @@ use clap::Args;
 use clap::builder::RangedU64ValueParser;
 use serde_json::json;
 
-use crate::cli::CliError;
+use dflash_common::dflash::Qwen3Shape;
+
+use crate::error::CliError;
 use crate::planner::rng::{PlanRng, Purpose};
 
 /// The byte-level BPE tokenizer of the tiny target (chatml and llama3 special tokens included).
@@ -126,26 +128,12 @@ pub struct InitTinyArgs {
     pub force: bool,
 }
 
-/// The shape of the model.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TinyShape {
-    pub vocab: usize,
-    pub hidden: usize,
-    pub intermediate: usize,
-    pub layers: usize,
-    pub heads: usize,
-    pub kv_heads: usize,
-    pub head_dim: usize,
-}
-
 /// Everything the written model is made of, the preset's and the options' values resolved.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelSpec {
-    pub shape: TinyShape,
+    pub shape: Qwen3Shape,
     pub tie_word_embeddings: bool,
     pub max_position_embeddings: usize,
-    pub rope_theta: f64,
-    pub rms_norm_eps: f64,
     pub dtype: WeightDtype,
 }
 
@@ -222,7 +210,7 @@ impl InitTinyArgs {
             Preset::Qwen3_0_6b => (true, 40960),
         };
         Ok(ModelSpec {
-            shape: TinyShape {
+            shape: Qwen3Shape {
                 vocab,
                 hidden,
                 intermediate,
@@ -230,88 +218,20 @@ impl InitTinyArgs {
                 heads,
                 kv_heads,
                 head_dim,
+                rms_eps: 1e-6,
+                rope_theta: 1_000_000.0,
             },
             tie_word_embeddings,
             max_position_embeddings,
-            rope_theta: 1_000_000.0,
-            rms_norm_eps: 1e-6,
             dtype: self.dtype,
         })
     }
 }
 
-/// `(name, shape, is_norm)` of every tensor of a Qwen3 model, in a fixed order (the order the
-/// random weights are drawn in).
-pub fn tensor_layout(s: &TinyShape) -> Vec<(String, Vec<usize>, bool)> {
-    let mut t = vec![(
-        "model.embed_tokens.weight".to_owned(),
-        vec![s.vocab, s.hidden],
-        false,
-    )];
-    for i in 0..s.layers {
-        let p = format!("model.layers.{i}");
-        let (q, kv) = (s.heads * s.head_dim, s.kv_heads * s.head_dim);
-        t.push((format!("{p}.input_layernorm.weight"), vec![s.hidden], true));
-        t.push((
-            format!("{p}.self_attn.q_proj.weight"),
-            vec![q, s.hidden],
-            false,
-        ));
-        t.push((
-            format!("{p}.self_attn.k_proj.weight"),
-            vec![kv, s.hidden],
-            false,
-        ));
-        t.push((
-            format!("{p}.self_attn.v_proj.weight"),
-            vec![kv, s.hidden],
-            false,
-        ));
-        t.push((
-            format!("{p}.self_attn.o_proj.weight"),
-            vec![s.hidden, q],
-            false,
-        ));
-        t.push((
-            format!("{p}.self_attn.q_norm.weight"),
-            vec![s.head_dim],
-            true,
-        ));
-        t.push((
-            format!("{p}.self_attn.k_norm.weight"),
-            vec![s.head_dim],
-            true,
-        ));
-        t.push((
-            format!("{p}.post_attention_layernorm.weight"),
-            vec![s.hidden],
-            true,
-        ));
-        t.push((
-            format!("{p}.mlp.gate_proj.weight"),
-            vec![s.intermediate, s.hidden],
-            false,
-        ));
-        t.push((
-            format!("{p}.mlp.up_proj.weight"),
-            vec![s.intermediate, s.hidden],
-            false,
-        ));
-        t.push((
-            format!("{p}.mlp.down_proj.weight"),
-            vec![s.hidden, s.intermediate],
-            false,
-        ));
-    }
-    t.push(("model.norm.weight".to_owned(), vec![s.hidden], true));
-    t.push(("lm_head.weight".to_owned(), vec![s.vocab, s.hidden], false));
-    t
-}
-
 /// The tensors a model of `spec` stores, in drawing order: the layout, less the output head when
 /// it is tied to the embedding (as Hugging Face checkpoints of tied models store it).
 fn stored_tensors(spec: &ModelSpec) -> Vec<(String, Vec<usize>, bool)> {
-    let mut layout = tensor_layout(&spec.shape);
+    let mut layout = spec.shape.tensors(spec.shape.layers);
     if spec.tie_word_embeddings {
         layout.retain(|(name, ..)| name != "lm_head.weight");
     }
@@ -499,8 +419,8 @@ fn config_json(spec: &ModelSpec) -> serde_json::Value {
         "head_dim": s.head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": spec.max_position_embeddings,
-        "rms_norm_eps": spec.rms_norm_eps,
-        "rope_theta": spec.rope_theta,
+        "rms_norm_eps": spec.shape.rms_eps,
+        "rope_theta": spec.shape.rope_theta,
         "tie_word_embeddings": spec.tie_word_embeddings,
         "attention_bias": false,
         "attention_dropout": 0.0,
@@ -516,17 +436,6 @@ fn config_json(spec: &ModelSpec) -> serde_json::Value {
 fn free_bytes(dir: &Path) -> Option<u64> {
     let s = nix::sys::statvfs::statvfs(dir).ok()?;
     Some((s.blocks_available() as u64).saturating_mul(s.fragment_size() as u64))
-}
-
-fn human_bytes(b: u64) -> String {
-    let b = b as f64;
-    if b >= 1e9 {
-        format!("{:.2} GB", b / 1e9)
-    } else if b >= 1e6 {
-        format!("{:.1} MB", b / 1e6)
-    } else {
-        format!("{:.1} kB", b / 1e3)
-    }
 }
 
 pub fn run(args: InitTinyArgs) -> Result<(), CliError> {
@@ -556,9 +465,9 @@ pub fn run(args: InitTinyArgs) -> Result<(), CliError> {
     {
         return Err(CliError::Invalid(format!(
             "the weights take {} and {} has {} free",
-            human_bytes(size),
+            crate::format::bytes(size),
             parent.display(),
-            human_bytes(free)
+            crate::format::bytes(free)
         )));
     }
     let temp = parent.join(format!(
@@ -571,7 +480,7 @@ pub fn run(args: InitTinyArgs) -> Result<(), CliError> {
     ));
     let _ = std::fs::remove_dir_all(&temp);
     std::fs::create_dir(&temp).map_err(io)?;
-    let stop = crate::cli::watch_stop_signals();
+    let stop = crate::signals::watch_stop_signals();
     let started = std::time::Instant::now();
     let written = (|| -> Result<(), WriteError> {
         write_weights(&temp.join("model.safetensors"), &spec, args.seed, &stop)?;
@@ -611,7 +520,7 @@ pub fn run(args: InitTinyArgs) -> Result<(), CliError> {
             ""
         },
         spec.dtype.name(),
-        human_bytes(size),
+        crate::format::bytes(size),
         started.elapsed().as_secs_f64(),
         args.seed
     );
@@ -663,14 +572,16 @@ mod tests {
         let tiny = spec(&[]).unwrap();
         assert_eq!(
             tiny.shape,
-            TinyShape {
+            Qwen3Shape {
                 vocab: 600,
                 hidden: 64,
                 intermediate: 128,
                 layers: 4,
                 heads: 4,
                 kv_heads: 2,
-                head_dim: 16
+                head_dim: 16,
+                rms_eps: 1e-6,
+                rope_theta: 1_000_000.0,
             }
         );
         assert!(!tiny.tie_word_embeddings);
@@ -682,14 +593,16 @@ mod tests {
         let real = spec(&["--preset", "qwen3-0.6b"]).unwrap();
         assert_eq!(
             real.shape,
-            TinyShape {
+            Qwen3Shape {
                 vocab: 151_936,
                 hidden: 1024,
                 intermediate: 3072,
                 layers: 28,
                 heads: 16,
                 kv_heads: 8,
-                head_dim: 128
+                head_dim: 128,
+                rms_eps: 1e-6,
+                rope_theta: 1_000_000.0,
             }
         );
         assert!(real.tie_word_embeddings);

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use clap::Args;
 use serde::Serialize;
 
-use crate::cli::CliError;
+use crate::error::CliError;
 use crate::store::{SkipExample, SourceMeta, Store};
 
 #[derive(Debug, Clone, Args)]
@@ -137,7 +137,7 @@ pub fn run(args: InspectArgs) -> Result<(), CliError> {
         sources: meta.sources,
         verified,
     };
-    crate::cli::print_result(args.json, &report, || text(&report))
+    crate::commands::print_result(args.json, &report, || text(&report))
 }
 
 fn text(r: &Report) -> String {

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use clap::Args;
 
 use super::plan::{PlannerFlags, config_from_args as plan_config_from_args};
-use crate::cli::CliError;
+use crate::error::CliError;
 use crate::options;
 use crate::runtime::{self, Outcome, PlannerSettings, RunConfig, RunError};
 use dflash_common::dflash::DflashSettings;
@@ -173,8 +173,11 @@ pub struct DflashFlags {
     #[arg(long, value_name = "ce|kd|mix", default_value = "ce")]
     pub loss: dflash_common::dflash::LossKind,
 
-    /// Softmax temperature of the distillation (above 0, at most 100).
-    #[arg(long, value_name = "T", default_value_t = 1.0, value_parser = options::positive(100.0, ""))]
+    /// Temperature of the target's distribution that kd teaches (above 0, at most 100). Only the
+    /// target's side is tempered, since the drafter is served untempered: match the serving
+    /// mode. Greedy serving accepts the target's argmax, so the default 0.1 puts nearly all weight
+    /// on it while keeping near-ties; for sampled serving give the sampling temperature.
+    #[arg(long, value_name = "T", default_value_t = 0.1, value_parser = options::positive(100.0, ""))]
     pub kd_temperature: f64,
 
     /// Share of distillation in --loss mix; 0 to 1.
@@ -477,7 +480,7 @@ fn dry_run(args: &LaunchArgs) -> Result<(), CliError> {
 
 /// The dry run as a table.
 fn dry_run_text(d: &runtime::launch_plan::DryRun) -> String {
-    use runtime::memory::gib;
+    use crate::format::gib;
     use std::fmt::Write;
     let mut out = String::new();
     let _ = writeln!(

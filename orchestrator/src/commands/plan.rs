@@ -8,7 +8,7 @@ use clap::{ArgGroup, Args};
 use serde::Serialize;
 
 use crate::charts;
-use crate::cli::CliError;
+use crate::error::CliError;
 use crate::fsutil::write_atomically;
 use crate::planner::{
     BucketSpec, EpochPlan, Interleave, Mode, OverlongPolicy, PlanConfig, PlanStats, Planner,
@@ -195,7 +195,7 @@ pub fn run(args: PlanArgs) -> Result<(), CliError> {
             .map_err(|e| CliError::io(format!("failed to write {}", path.display()), e))?;
     }
 
-    crate::cli::print_result(args.json, &stats, || summary(&stats, &source))
+    crate::commands::print_result(args.json, &stats, || summary(&stats, &source))
 }
 
 #[derive(Serialize)]

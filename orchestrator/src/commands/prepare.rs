@@ -9,7 +9,7 @@ use std::time::Instant;
 use clap::Args;
 use serde::Serialize;
 
-use crate::cli::CliError;
+use crate::error::CliError;
 use crate::ingest::chat::{ChatEncoder, Template, load_tokenizer, read_chat};
 use crate::ingest::{self, Format, Location, RawSample, Reason, Sink, Stop};
 use crate::planner::{MAX_SUPPORTED_LEN, OverlongPolicy};
@@ -368,7 +368,7 @@ pub fn run(args: PrepareArgs) -> Result<(), CliError> {
 
     // Before anything is written: an interrupt from here on must find the handler in place and
     // remove what was written.
-    let interrupted = crate::cli::watch_stop_signals();
+    let interrupted = crate::signals::watch_stop_signals();
     let writer = StoreWriter::create(&args.output, args.force).map_err(store_error)?;
     let total: u64 = inputs
         .iter()
@@ -491,7 +491,7 @@ pub fn run(args: PrepareArgs) -> Result<(), CliError> {
         seconds,
         input_mb_per_s: input_bytes as f64 / 1e6 / seconds.max(1e-9),
     };
-    crate::cli::print_result(args.json, &summary, || {
+    crate::commands::print_result(args.json, &summary, || {
         summary_text(&summary, &prep.skipped, &prep.examples)
     })
 }

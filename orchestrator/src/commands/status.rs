@@ -6,7 +6,7 @@ use std::time::Duration;
 use clap::Args;
 use serde_json::Value;
 
-use crate::cli::CliError;
+use crate::error::CliError;
 use crate::runtime::control::{self, ClientError, Request};
 
 #[derive(Debug, Clone, Args)]
@@ -34,7 +34,7 @@ pub fn client_error(e: ClientError) -> CliError {
 pub fn run(args: StatusArgs) -> Result<(), CliError> {
     loop {
         let value = control::request(&args.run_dir, &Request::Status).map_err(client_error)?;
-        crate::cli::print_result(args.json, &value, || text(&value))?;
+        crate::commands::print_result(args.json, &value, || text(&value))?;
         match args.watch {
             Some(secs) if secs > 0.0 => std::thread::sleep(Duration::from_secs_f64(secs)),
             _ => return Ok(()),

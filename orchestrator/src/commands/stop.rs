@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use clap::Args;
 
 use super::status::client_error;
-use crate::cli::CliError;
+use crate::error::CliError;
 use crate::runtime::control::{self, Request};
 
 #[derive(Debug, Clone, Args)]

@@ -2,6 +2,7 @@
 //! Prometheus).
 
 pub mod gpu;
+pub mod history;
 pub mod monitor;
 pub mod prom;
 pub mod tensorboard;

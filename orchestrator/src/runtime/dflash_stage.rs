@@ -23,7 +23,7 @@ pub(super) fn check(
     let invalid = |e: String| RunError::Invalid(e);
     let dir = &settings.target_model;
     let target = dflash::read_config(dir).map_err(|e| invalid(format!("--target-model {e}")))?;
-    dflash::check_weights(
+    crate::model_dir::check_weights(
         dir,
         &target,
         settings.target_layers_needed(target.num_hidden_layers),
@@ -120,14 +120,15 @@ fn target_identity(dir: &Path) -> Result<String, String> {
     let config = dir.join("config.json");
     let mut parts = vec![std::fs::read(&config).map_err(|e| format!("{}: {e}", config.display()))?];
     for file in dflash::weight_files(dir).map_err(|e| e.to_string())? {
-        let (header, _) = dflash::safetensors_header(&file).map_err(|e| e.to_string())?;
+        let header = crate::model_dir::header_bytes(&file).map_err(|e| e.to_string())?;
         parts.push(
             file.file_name()
                 .unwrap_or_default()
                 .as_encoded_bytes()
                 .to_vec(),
         );
-        parts.push(header);
+        // The JSON table alone, as the identity has always been taken.
+        parts.push(header[8..].to_vec());
     }
     Ok(digest(parts.iter().map(Vec::as_slice)))
 }

@@ -402,7 +402,7 @@ pub fn dry_run(config: &RunConfig, gpu_memory: Option<u64>) -> Result<DryRun, Ru
         let checked = dflash_common::dflash::read_config(dir)
             .map_err(|e| RunError::Invalid(format!("--target-model {e}")))?;
         match dflash_common::dflash::weight_files(dir) {
-            Ok(_) => dflash_common::dflash::check_weights(
+            Ok(_) => crate::model_dir::check_weights(
                 dir,
                 &checked,
                 settings.target_layers_needed(checked.num_hidden_layers),
@@ -435,8 +435,8 @@ pub fn dry_run(config: &RunConfig, gpu_memory: Option<u64>) -> Result<DryRun, Ru
         refusals.push(format!(
             "{} has {} free, the rings need {} (lower --token-budget{}, or in a container raise --shm-size)",
             run_dir::SHM_DIR,
-            super::memory::gib(free),
-            super::memory::gib(rings.total),
+            crate::format::gib(free),
+            crate::format::gib(rings.total),
             match config.dflash.as_ref().map(|d| d.feature_dtype) {
                 Some(dflash_common::dflash::Precision::F32) => ", use --feature-dtype bf16",
                 _ => "",
@@ -821,6 +821,7 @@ pub fn launch(
         metrics,
         session_start: start.step_base + start.batch as u64,
         last_progress: Instant::now(),
+        bar: super::progress::bar(),
         committed_total: start.step_base + start.batch as u64,
         tokens_committed: 0,
         input,

@@ -9,6 +9,7 @@
 //! (`anchors × block × heads × context` f32, kept for the backward pass) and logits dominate.
 //! Every term is linear in the batch's tokens; none is `tokens²`.
 
+use crate::format::gib;
 use serde::Serialize;
 
 use dflash_common::dflash::{DflashSettings, Qwen3Config};
@@ -427,11 +428,6 @@ pub fn refusal(uses: &[GpuUse]) -> Option<String> {
         over.join("; "),
         options.join(", or ")
     ))
-}
-
-/// `n` bytes as GiB with two decimals.
-pub fn gib(n: u64) -> String {
-    format!("{:.2} GiB", n as f64 / f64::from(1u32 << 30))
 }
 
 #[cfg(test)]

@@ -398,21 +398,6 @@ impl Metrics {
     }
 }
 
-/// Reads `metrics.jsonl`: the training step lines, the last one of each step kept, in step order.
-pub fn read(run_dir: &Path) -> io::Result<Vec<Value>> {
-    let text = std::fs::read_to_string(run_dir.join(FILE))?;
-    let mut steps = std::collections::BTreeMap::new();
-    for line in text.lines() {
-        if let Ok(v) = serde_json::from_str::<Value>(line)
-            && v["kind"] == "train"
-            && let Some(step) = v["step"].as_u64()
-        {
-            steps.insert(step, v);
-        }
-    }
-    Ok(steps.into_values().collect())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -297,6 +297,8 @@ struct Run {
     /// Plan position where this session started (for its rate).
     session_start: u64,
     last_progress: Instant,
+    /// The progress line on a terminal (hidden otherwise: lines are printed instead).
+    bar: indicatif::ProgressBar,
     committed_total: u64,
     tokens_committed: u64,
     input: Ring,
@@ -350,7 +352,7 @@ impl Run {
         inbox: &mpsc::Receiver<Input>,
         new_epoch: bool,
     ) -> Result<Outcome, RunError> {
-        let signals = crate::cli::count_stop_signals();
+        let signals = crate::signals::count_stop_signals();
         if new_epoch {
             self.journal_epoch()?;
         }

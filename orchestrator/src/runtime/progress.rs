@@ -21,7 +21,7 @@ impl Run {
         let rate = done_session as f64 / elapsed;
         let left = total.saturating_sub(self.committed_total);
         let eta = if rate > 0.0 {
-            eta_text((left as f64 / rate).min(1e12) as u64)
+            crate::format::clock(left as f64 / rate)
         } else {
             "-".into()
         };
@@ -54,51 +54,34 @@ impl Run {
         line
     }
 
-    /// Shows progress on stderr: redrawn in place on a terminal, a line every 10 s otherwise.
+    /// Shows progress on stderr: redrawn in place on a terminal (by `indicatif`), a line every
+    /// 10 s otherwise, for logs.
     pub(super) fn progress(&mut self, last: bool) {
-        use std::io::IsTerminal;
-        let tty = std::io::stderr().is_terminal();
-        let every = if tty {
-            Duration::from_millis(500)
-        } else {
+        let every = if self.bar.is_hidden() {
             Duration::from_secs(10)
+        } else {
+            Duration::from_millis(500)
         };
         if !last && self.last_progress.elapsed() < every {
             return;
         }
         self.last_progress = Instant::now();
         let line = self.progress_line();
-        if tty {
-            eprint!("\r\x1b[2K{line}{}", if last { "\n" } else { "" });
-        } else {
+        if self.bar.is_hidden() {
             eprintln!("{line}");
+        } else if last {
+            self.bar.finish_with_message(line);
+        } else {
+            self.bar.set_message(line);
         }
     }
 }
 
-/// A time to go, in days and hours for multi-day runs: `2d07h`, `5h12m`, `3m05s`.
-pub fn eta_text(seconds: u64) -> String {
-    let (d, h, m, s) = (
-        seconds / 86_400,
-        seconds / 3600 % 24,
-        seconds / 60 % 60,
-        seconds % 60,
-    );
-    if d > 0 {
-        format!("{d}d{h:02}h")
-    } else if h > 0 {
-        format!("{h}h{m:02}m")
-    } else {
-        format!("{m}m{s:02}s")
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn eta_reads_in_days_and_hours_for_long_runs() {
-        assert_eq!(super::eta_text(185), "3m05s");
-        assert_eq!(super::eta_text(5 * 3600 + 12 * 60 + 59), "5h12m");
-        assert_eq!(super::eta_text(2 * 86_400 + 7 * 3600 + 1), "2d07h");
-    }
+/// The progress line's bar: the line itself as its message, drawn on stderr when it is a
+/// terminal (hidden, and so silent, otherwise).
+pub(super) fn bar() -> indicatif::ProgressBar {
+    let bar =
+        indicatif::ProgressBar::with_draw_target(None, indicatif::ProgressDrawTarget::stderr());
+    bar.set_style(indicatif::ProgressStyle::with_template("{msg}").expect("valid template"));
+    bar
 }

@@ -9,33 +9,30 @@
 //! give logits; block position `k >= 1` predicts token `anchor + k`, cross-entropy weighted
 //! `exp(-(k - 1) / gamma)` (or 1 without gamma) over positions whose loss mask is set. With
 //! distillation the target at position `anchor + k - 1` teaches position k instead (or as a
-//! share): cross-entropy against the target's next-token distribution, both softmaxes at a
-//! temperature T, scaled by T².
+//! share): cross-entropy against the target's next-token distribution at a temperature T. Only
+//! the target's side is tempered: the drafter is served untempered, so T says which
+//! distribution it should match there (small for greedy serving, whose acceptance needs the
+//! target's argmax; the sampling temperature for sampled serving). T -> 0 is cross-entropy
+//! against the target's greedy token.
 //!
 //! Everything here is built from candle ops that carry gradients (the fused norm, rope and softmax
 //! kernels of candle-nn do not), and the weights are initialised from our own seeded generator.
 
 use candle_core::{D, DType, Device, Tensor, Var};
+use dflash_common::dflash::Qwen3Shape;
 
 use super::rotate_half;
 use crate::rng::SplitMix64;
 use crate::train::{Grads, add_grads, grads_of};
 
-/// The drafter's shape and training constants.
+/// The drafter's shape (the target's widths and heads, its own layer count) and the DFlash
+/// constants it is trained with.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DrafterConfig {
-    pub hidden: usize,
-    pub intermediate: usize,
-    pub layers: usize,
-    pub heads: usize,
-    pub kv_heads: usize,
-    pub head_dim: usize,
-    pub rms_eps: f64,
-    pub rope_theta: f64,
+    pub shape: Qwen3Shape,
     pub block_size: usize,
     pub mask_token_id: u32,
     pub target_layer_ids: Vec<usize>,
-    pub vocab: usize,
 }
 
 impl DrafterConfig {
@@ -49,18 +46,13 @@ impl DrafterConfig {
         target_layer_ids: Vec<usize>,
     ) -> Self {
         Self {
-            hidden: target.hidden_size,
-            intermediate: target.intermediate_size,
-            layers,
-            heads: target.num_attention_heads,
-            kv_heads: target.num_key_value_heads,
-            head_dim: target.head_dim(),
-            rms_eps: target.rms_norm_eps,
-            rope_theta: target.rope_theta,
+            shape: Qwen3Shape {
+                layers,
+                ..target.shape()
+            },
             block_size,
             mask_token_id,
             target_layer_ids,
-            vocab: target.vocab_size,
         }
     }
 }
@@ -132,7 +124,7 @@ impl Drafter {
     /// Fresh weights: matrices N(0, 0.02), norms 1, from `seed`.
     pub fn new(config: DrafterConfig, seed: u64, device: &Device) -> candle_core::Result<Self> {
         let c = &config;
-        let (h, d) = (c.hidden, c.head_dim);
+        let (h, d) = (c.shape.hidden, c.shape.head_dim);
         let mut shapes: Vec<(String, Vec<usize>, bool)> = vec![
             (
                 "fc.weight".into(),
@@ -141,28 +133,28 @@ impl Drafter {
             ),
             ("hidden_norm.weight".into(), vec![h], true),
         ];
-        for i in 0..c.layers {
+        for i in 0..c.shape.layers {
             let p = format!("layers.{i}");
             shapes.extend([
                 (format!("{p}.input_layernorm.weight"), vec![h], true),
                 (
                     format!("{p}.self_attn.q_proj.weight"),
-                    vec![c.heads * d, h],
+                    vec![c.shape.heads * d, h],
                     false,
                 ),
                 (
                     format!("{p}.self_attn.k_proj.weight"),
-                    vec![c.kv_heads * d, h],
+                    vec![c.shape.kv_heads * d, h],
                     false,
                 ),
                 (
                     format!("{p}.self_attn.v_proj.weight"),
-                    vec![c.kv_heads * d, h],
+                    vec![c.shape.kv_heads * d, h],
                     false,
                 ),
                 (
                     format!("{p}.self_attn.o_proj.weight"),
-                    vec![h, c.heads * d],
+                    vec![h, c.shape.heads * d],
                     false,
                 ),
                 (format!("{p}.self_attn.q_norm.weight"), vec![d], true),
@@ -174,17 +166,17 @@ impl Drafter {
                 ),
                 (
                     format!("{p}.mlp.gate_proj.weight"),
-                    vec![c.intermediate, h],
+                    vec![c.shape.intermediate, h],
                     false,
                 ),
                 (
                     format!("{p}.mlp.up_proj.weight"),
-                    vec![c.intermediate, h],
+                    vec![c.shape.intermediate, h],
                     false,
                 ),
                 (
                     format!("{p}.mlp.down_proj.weight"),
-                    vec![h, c.intermediate],
+                    vec![h, c.shape.intermediate],
                     false,
                 ),
             ]);
@@ -296,7 +288,7 @@ impl Drafter {
         features: &Tensor,
         objective: Objective,
     ) -> candle_core::Result<(Tensor, Option<Tensor>)> {
-        let width = self.config.target_layer_ids.len() * self.config.hidden;
+        let width = self.config.target_layer_ids.len() * self.config.shape.hidden;
         if objective.distill.is_none() {
             return Ok((features.clone(), None));
         }
@@ -304,7 +296,7 @@ impl Drafter {
             features.narrow(1, 0, width)?.contiguous()?,
             Some(
                 features
-                    .narrow(1, width, self.config.hidden)?
+                    .narrow(1, width, self.config.shape.hidden)?
                     .contiguous()?,
             ),
         ))
@@ -339,30 +331,30 @@ impl Drafter {
         let c = &self.config;
         let dev = features.device();
         let s = features.dim(0)?;
-        let d = c.head_dim;
+        let d = c.shape.head_dim;
         let ctx = features
             .to_dtype(self.compute)?
             .matmul(&self.weight("fc.weight")?.t()?)?;
-        let ctx = rms_norm(&ctx, self.get("hidden_norm.weight"), c.rms_eps)?;
+        let ctx = rms_norm(&ctx, self.get("hidden_norm.weight"), c.shape.rms_eps)?;
         let positions = Tensor::arange(offset as u32, (offset + s) as u32, dev)?;
-        let (cos, sin) = rope_tables(&positions, d, c.rope_theta)?;
+        let (cos, sin) = rope_tables(&positions, d, c.shape.rope_theta)?;
         let (cos, sin) = (
             cos.to_dtype(self.compute)?.unsqueeze(0)?,
             sin.to_dtype(self.compute)?.unsqueeze(0)?,
         );
-        (0..c.layers)
+        (0..c.shape.layers)
             .map(|i| {
                 let w = |n: &str| format!("layers.{i}.self_attn.{n}");
                 let k = ctx.matmul(&self.weight(&w("k_proj.weight"))?.t()?)?;
                 let v = ctx.matmul(&self.weight(&w("v_proj.weight"))?.t()?)?;
                 let k = rms_norm(
-                    &k.reshape((s, c.kv_heads, d))?,
+                    &k.reshape((s, c.shape.kv_heads, d))?,
                     self.get(&w("k_norm.weight")),
-                    c.rms_eps,
+                    c.shape.rms_eps,
                 )?
                 .transpose(0, 1)?;
                 let k = (k.broadcast_mul(&cos)? + rotate_half(&k)?.broadcast_mul(&sin)?)?;
-                let v = v.reshape((s, c.kv_heads, d))?.transpose(0, 1)?;
+                let v = v.reshape((s, c.shape.kv_heads, d))?.transpose(0, 1)?;
                 Ok((k.contiguous()?, v.contiguous()?))
             })
             .collect()
@@ -389,7 +381,7 @@ impl Drafter {
         let c = &self.config;
         let dev = embedding.device();
         let (a, b) = (anchors.len(), c.block_size);
-        let h = c.hidden;
+        let h = c.shape.hidden;
         let cdt = self.compute;
         let anchor_tokens: Vec<u32> = anchors.iter().map(|&anchor| tokens[anchor]).collect();
         let x = self.block_states(context, &anchor_tokens, anchors, b, embedding)?;
@@ -422,8 +414,7 @@ impl Drafter {
                 .to_dtype(DType::F32)?
                 .detach();
             let target_probs = candle_nn::ops::softmax(&(taught / t)?, D::Minus1)?;
-            let student = candle_nn::ops::log_softmax(&(&logits / t)?, D::Minus1)?;
-            let kd = ((target_probs * student)?.sum(D::Minus1)?.neg()? * (t * t))?;
+            let kd = (target_probs * &log_probs)?.sum(D::Minus1)?.neg()?;
             per_position = ((per_position * (1.0 - share))? + (kd * share)?)?;
         }
         let total: f32 = weights.iter().sum();
@@ -460,8 +451,8 @@ impl Drafter {
         let c = &self.config;
         let dev = embedding.device();
         let a = anchors.len();
-        let (h, d) = (c.hidden, c.head_dim);
-        let eps = c.rms_eps;
+        let (h, d) = (c.shape.hidden, c.shape.head_dim);
+        let eps = c.shape.rms_eps;
         let cdt = self.compute;
         // The context positions any of these blocks sees: those before the last anchor.
         let seen = context
@@ -482,8 +473,11 @@ impl Drafter {
             .to_dtype(cdt)?
             .reshape((a, b, h))?;
         // Rotary tables of the blocks [a, 1, b, d].
-        let (cos_b, sin_b) =
-            rope_tables(&Tensor::from_vec(block_pos, (a, b), dev)?, d, c.rope_theta)?;
+        let (cos_b, sin_b) = rope_tables(
+            &Tensor::from_vec(block_pos, (a, b), dev)?,
+            d,
+            c.shape.rope_theta,
+        )?;
         let (cos_b, sin_b) = (
             cos_b.to_dtype(cdt)?.unsqueeze(1)?,
             sin_b.to_dtype(cdt)?.unsqueeze(1)?,
@@ -504,43 +498,45 @@ impl Drafter {
                 .matmul(&w.t()?)?
                 .reshape((a, b, w.dim(0)?))
         };
-        let group = c.heads / c.kv_heads;
+        let group = c.shape.heads / c.shape.kv_heads;
         // Repeats key/value heads for grouped-query attention: [kv, n, d] -> [heads, n, d].
         let repeat = |t: &Tensor, n: usize| -> candle_core::Result<Tensor> {
             if group == 1 {
                 return t.contiguous();
             }
             t.unsqueeze(1)?
-                .broadcast_as((c.kv_heads, group, n, d))?
-                .reshape((c.heads, n, d))
+                .broadcast_as((c.shape.kv_heads, group, n, d))?
+                .reshape((c.shape.heads, n, d))
         };
         let scale = (d as f64).sqrt();
         let rope = |t: &Tensor| -> candle_core::Result<Tensor> {
             t.broadcast_mul(&cos_b)? + rotate_half(t)?.broadcast_mul(&sin_b)?
         };
-        for (i, (kc, vc)) in context.iter().enumerate().take(c.layers) {
+        for (i, (kc, vc)) in context.iter().enumerate().take(c.shape.layers) {
             let p = |n: &str| format!("layers.{i}.{n}");
             let hn = rms_norm(&x, self.get(&p("input_layernorm.weight")), eps)?;
             // Queries from the block [a, heads, b, d].
-            let q = linear(&hn, &p("self_attn.q_proj.weight"))?.reshape((a, b, c.heads, d))?;
+            let q =
+                linear(&hn, &p("self_attn.q_proj.weight"))?.reshape((a, b, c.shape.heads, d))?;
             let q = rope(
                 &rms_norm(&q, self.get(&p("self_attn.q_norm.weight")), eps)?.transpose(1, 2)?,
             )?;
             // Keys and values of the block [a, heads, b, d].
-            let kb = linear(&hn, &p("self_attn.k_proj.weight"))?.reshape((a, b, c.kv_heads, d))?;
+            let kb =
+                linear(&hn, &p("self_attn.k_proj.weight"))?.reshape((a, b, c.shape.kv_heads, d))?;
             let kb = rope(
                 &rms_norm(&kb, self.get(&p("self_attn.k_norm.weight")), eps)?.transpose(1, 2)?,
             )?;
             let vb = linear(&hn, &p("self_attn.v_proj.weight"))?
-                .reshape((a, b, c.kv_heads, d))?
+                .reshape((a, b, c.shape.kv_heads, d))?
                 .transpose(1, 2)?;
             let rep_b = |t: Tensor| -> candle_core::Result<Tensor> {
                 if group == 1 {
                     return t.contiguous();
                 }
                 t.unsqueeze(2)?
-                    .broadcast_as((a, c.kv_heads, group, b, d))?
-                    .reshape((a, c.heads, b, d))
+                    .broadcast_as((a, c.shape.kv_heads, group, b, d))?
+                    .reshape((a, c.shape.heads, b, d))
             };
             let (kb, vb) = (rep_b(kb)?, rep_b(vb)?);
             // The context's keys and values [heads, seen, d], shared by every block.
@@ -552,10 +548,10 @@ impl Drafter {
             let q_flat = q
                 .transpose(0, 1)?
                 .contiguous()?
-                .reshape((c.heads, a * b, d))?;
+                .reshape((c.shape.heads, a * b, d))?;
             let s_ctx = (q_flat.matmul(&kc.t()?)? / scale)?
                 .to_dtype(DType::F32)?
-                .reshape((c.heads, a, b, seen))?
+                .reshape((c.shape.heads, a, b, seen))?
                 .transpose(0, 1)?
                 .broadcast_add(&ctx_mask)?;
             let s_blk = (q.matmul(&kb.t()?)? / scale)?.to_dtype(DType::F32)?;
@@ -566,18 +562,19 @@ impl Drafter {
                 .narrow(D::Minus1, 0, seen)?
                 .transpose(0, 1)?
                 .contiguous()?
-                .reshape((c.heads, a * b, seen))?;
+                .reshape((c.shape.heads, a * b, seen))?;
             let attn_ctx = p_ctx
                 .matmul(&vc)?
-                .reshape((c.heads, a, b, d))?
+                .reshape((c.shape.heads, a, b, d))?
                 .transpose(0, 1)?;
             let attn_blk = probs
                 .narrow(D::Minus1, seen, b)?
                 .contiguous()?
                 .matmul(&vb)?;
-            let attn = (attn_ctx + attn_blk)?
-                .transpose(1, 2)?
-                .reshape((a, b, c.heads * d))?;
+            let attn =
+                (attn_ctx + attn_blk)?
+                    .transpose(1, 2)?
+                    .reshape((a, b, c.shape.heads * d))?;
             x = (x + linear(&attn, &p("self_attn.o_proj.weight"))?)?;
             let n = rms_norm(&x, self.get(&p("post_attention_layernorm.weight")), eps)?;
             let gate = linear(&n, &p("mlp.gate_proj.weight"))?;
@@ -604,7 +601,7 @@ impl Drafter {
             return Ok(Vec::new());
         }
         let x = self.block_states(context, &[token], &[position], b, embedding)?;
-        x.reshape((b, self.config.hidden))?
+        x.reshape((b, self.config.shape.hidden))?
             .narrow(0, 1, b - 1)?
             .matmul(&lm_head.to_dtype(self.compute)?.t()?)?
             .to_dtype(DType::F32)?
@@ -908,18 +905,20 @@ mod tests {
     fn setup() -> (Drafter, Tensor, Tensor, Tensor, Vec<u32>, Vec<u8>) {
         let dev = Device::Cpu;
         let config = DrafterConfig {
-            hidden: 32,
-            intermediate: 64,
-            layers: 2,
-            heads: 4,
-            kv_heads: 2,
-            head_dim: 8,
-            rms_eps: 1e-6,
-            rope_theta: 10_000.0,
+            shape: Qwen3Shape {
+                hidden: 32,
+                intermediate: 64,
+                layers: 2,
+                heads: 4,
+                kv_heads: 2,
+                head_dim: 8,
+                rms_eps: 1e-6,
+                rope_theta: 10_000.0,
+                vocab: 50,
+            },
             block_size: 4,
             mask_token_id: 5,
             target_layer_ids: vec![0, 2],
-            vocab: 50,
         };
         let drafter = Drafter::new(config, 7, &dev).unwrap();
         let mut rng = SplitMix64(99);
@@ -1005,7 +1004,7 @@ mod tests {
             .block_states(&whole, &[tokens[anchor]], &[anchor], b, &embedding)
             .unwrap();
         let want = states
-            .reshape((b, drafter.config.hidden))
+            .reshape((b, drafter.config.shape.hidden))
             .unwrap()
             .matmul(&lm_head.t().unwrap())
             .unwrap()
@@ -1038,14 +1037,15 @@ mod tests {
             gamma: Some(7.0),
             distill: Some((share, 2.0)),
         };
-        let loss_of = |f: &Tensor, o: Objective| {
+        let on = |toks: &[u32], f: &Tensor, o: Objective| {
             drafter
-                .loss_parts(f, &tokens, &mask, &anchors, &embedding, &lm_head, o)
+                .loss_parts(f, toks, &mask, &anchors, &embedding, &lm_head, o)
                 .unwrap()
                 .sum
                 .to_scalar::<f32>()
                 .unwrap() as f64
         };
+        let loss_of = |f: &Tensor, o: Objective| on(&tokens, f, o);
         let (ce, kd, mix) = (
             loss_of(&features, DECAY7),
             loss_of(&with_teacher, objective(1.0)),
@@ -1069,6 +1069,34 @@ mod tests {
         };
         let taught = loss_of(&sure, one_t(1.0));
         assert!((taught - ce).abs() < 1e-3 * ce, "kd {taught} vs ce {ce}");
+        // Only the target's side is tempered: as T falls, kd under any target becomes
+        // cross-entropy against the target's greedy tokens (the drafter's logits stay as served).
+        let greedy: Vec<u32> = std::iter::once(tokens[0])
+            .chain(
+                teacher
+                    .matmul(&lm_head.t().unwrap())
+                    .unwrap()
+                    .argmax(D::Minus1)
+                    .unwrap()
+                    .to_vec1::<u32>()
+                    .unwrap()
+                    .into_iter()
+                    .take(11),
+            )
+            .collect();
+        let cold = Objective {
+            gamma: Some(7.0),
+            distill: Some((1.0, 1e-3)),
+        };
+        let (kd_cold, ce_greedy) = (
+            on(&greedy, &with_teacher, cold),
+            on(&greedy, &features, DECAY7),
+        );
+        assert!(
+            (kd_cold - ce_greedy).abs() < 1e-3 * ce_greedy,
+            "kd at T 0.001 {kd_cold} vs ce on the target's greedy tokens {ce_greedy}"
+        );
+        assert!((on(&greedy, &with_teacher, objective(1.0)) - ce_greedy).abs() > 1e-2);
         // The blocks at 2 and 5 (block 4) are taught by positions 2..=7; position 8 on is unseen.
         let mut later = teacher.to_vec2::<f32>().unwrap();
         for row in later.iter_mut().skip(8) {

@@ -24,7 +24,7 @@ use dflash_common::eval::{EVAL_VERSION, GenerateJob, GenerateRequest};
 use serde::Serialize;
 use tokenizers::Tokenizer;
 
-use crate::cli::CliError;
+use crate::error::CliError;
 use crate::ingest::chat::{ChatEncoder, Role, Template, load_tokenizer, parse_conversation};
 use crate::ingest::{self, Format, Location, RawSample, Reason, Sink, Stop};
 use crate::options::DtypeChoice;
@@ -340,7 +340,7 @@ pub fn run(args: GenerateArgs) -> Result<(), CliError> {
     };
     let gpu = devices.iter().any(|d| matches!(d, Device::Gpu(_)));
     if !gpu && matches!(args.gpus, GpuSpec::Cpu(_)) {
-        dflash_common::dflash::check_weights(&args.target_model, &target, target.num_hidden_layers)
+        crate::model_dir::check_weights(&args.target_model, &target, target.num_hidden_layers)
             .map_err(|e| invalid(format!("--target-model {e}")))?;
     }
     let dtype = args.dtype.resolve(gpu);
@@ -369,7 +369,7 @@ pub fn run(args: GenerateArgs) -> Result<(), CliError> {
         output::starting_point(&paths, &settings, args.resume, args.force).map_err(invalid)?;
 
     // Side effects from here on.
-    let interrupted = crate::cli::watch_stop_signals();
+    let interrupted = crate::signals::watch_stop_signals();
     let mut writer = output::Writer::open(&paths, settings.clone(), from)
         .map_err(|e| CliError::io(format!("cannot write {}", paths.partial.display()), e))?;
     let resumed_rows = writer.committed().rows;
@@ -522,7 +522,7 @@ pub fn run(args: GenerateArgs) -> Result<(), CliError> {
         tokens_per_second: generated as f64 / seconds.max(1e-9),
         producer: settings.producer,
     };
-    crate::cli::print_result(args.json, &summary, || {
+    crate::commands::print_result(args.json, &summary, || {
         format!(
             "generate: {} rows to {} ({} resumed), {} tokens generated in {:.1} s ({:.0} tok/s) by the {}\n",
             summary.rows,

@@ -1,40 +1,12 @@
-//! Charts drawn as self-contained SVG (no fonts or network needed to view them).
+//! The plan's picture (`plan --report`): bucket mix across the epoch, the first and last steps
+//! one by one, batch and sample share per bucket, and padding efficiency per bucket.
 
 use plotters::coord::Shift;
+use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
 
+use super::{ChartError, FONT, bucket_color, err};
 use crate::planner::{EpochPlan, PlanStats};
-
-/// A chart that could not be drawn.
-#[derive(Debug, thiserror::Error)]
-#[error("failed to draw chart: {0}")]
-pub struct ChartError(String);
-
-fn err<E: std::fmt::Debug>(e: E) -> ChartError {
-    ChartError(format!("{e:?}"))
-}
-
-/// Distinct colours for buckets, reused cyclically.
-const PALETTE: [RGBColor; 12] = [
-    RGBColor(31, 119, 180),
-    RGBColor(255, 127, 14),
-    RGBColor(44, 160, 44),
-    RGBColor(214, 39, 40),
-    RGBColor(148, 103, 189),
-    RGBColor(140, 86, 75),
-    RGBColor(227, 119, 194),
-    RGBColor(127, 127, 127),
-    RGBColor(188, 189, 34),
-    RGBColor(23, 190, 207),
-    RGBColor(57, 59, 121),
-    RGBColor(173, 73, 74),
-];
-
-pub fn bucket_color(bucket: usize) -> RGBColor {
-    PALETTE[bucket % PALETTE.len()]
-}
-
-const FONT: &str = "sans-serif";
 /// Columns of the bucket-mix chart: enough to see structure, few enough to keep the file small.
 const MIX_COLUMNS: usize = 400;
 /// Steps shown cell by cell at the start and at the end of the epoch.
@@ -203,20 +175,17 @@ fn draw_steps(
     Ok(())
 }
 
-fn draw_shares(area: &Area<'_>, stats: &PlanStats) -> Result<(), ChartError> {
-    let k = stats.buckets.len();
-    let top = stats
-        .buckets
-        .iter()
-        .map(|b| b.batch_share.max(b.sample_share))
-        .fold(0.0, f64::max)
-        .max(0.05)
-        * 1.1;
+/// Axes over the `k` buckets (one column each) from 0 to `top`, captioned.
+fn bucket_chart<'a, 'b>(
+    area: &'a Area<'b>,
+    caption: String,
+    k: usize,
+    top: f64,
+    y_desc: &str,
+) -> Result<ChartContext<'a, SVGBackend<'b>, Cartesian2d<RangedCoordf64, RangedCoordf64>>, ChartError>
+{
     let mut chart = ChartBuilder::on(area)
-        .caption(
-            "Share per bucket: batches (solid) vs samples (light)",
-            (FONT, 15),
-        )
+        .caption(caption, (FONT, 15))
         .margin(10)
         .x_label_area_size(30)
         .y_label_area_size(45)
@@ -228,9 +197,28 @@ fn draw_shares(area: &Area<'_>, stats: &PlanStats) -> Result<(), ChartError> {
         .x_labels(k.min(16))
         .x_label_formatter(&|x| format!("{x:.0}"))
         .x_desc("bucket")
-        .y_desc("share")
+        .y_desc(y_desc)
         .draw()
         .map_err(err)?;
+    Ok(chart)
+}
+
+fn draw_shares(area: &Area<'_>, stats: &PlanStats) -> Result<(), ChartError> {
+    let k = stats.buckets.len();
+    let top = stats
+        .buckets
+        .iter()
+        .map(|b| b.batch_share.max(b.sample_share))
+        .fold(0.0, f64::max)
+        .max(0.05)
+        * 1.1;
+    let mut chart = bucket_chart(
+        area,
+        "Share per bucket: batches (solid) vs samples (light)".into(),
+        k,
+        top,
+        "share",
+    )?;
     chart
         .draw_series(stats.buckets.iter().enumerate().flat_map(|(i, b)| {
             let x = i as f64;
@@ -251,28 +239,16 @@ fn draw_shares(area: &Area<'_>, stats: &PlanStats) -> Result<(), ChartError> {
 
 fn draw_efficiency(area: &Area<'_>, stats: &PlanStats) -> Result<(), ChartError> {
     let k = stats.buckets.len();
-    let mut chart = ChartBuilder::on(area)
-        .caption(
-            format!(
-                "Padding efficiency per bucket (all: {:.1}%)",
-                stats.padding_efficiency * 100.0
-            ),
-            (FONT, 15),
-        )
-        .margin(10)
-        .x_label_area_size(30)
-        .y_label_area_size(45)
-        .build_cartesian_2d(-0.5f64..k as f64 - 0.5, 0f64..1f64)
-        .map_err(err)?;
-    chart
-        .configure_mesh()
-        .disable_x_mesh()
-        .x_labels(k.min(16))
-        .x_label_formatter(&|x| format!("{x:.0}"))
-        .x_desc("bucket")
-        .y_desc("real / padded tokens")
-        .draw()
-        .map_err(err)?;
+    let mut chart = bucket_chart(
+        area,
+        format!(
+            "Padding efficiency per bucket (all: {:.1}%)",
+            stats.padding_efficiency * 100.0
+        ),
+        k,
+        1.0,
+        "real / padded tokens",
+    )?;
     chart
         .draw_series(stats.buckets.iter().enumerate().map(|(i, b)| {
             let x = i as f64;
@@ -281,91 +257,6 @@ fn draw_efficiency(area: &Area<'_>, stats: &PlanStats) -> Result<(), ChartError>
                 bucket_color(i).filled(),
             )
         }))
-        .map_err(err)?;
-    Ok(())
-}
-
-/// Loss and accuracy over optimiser steps, `points` = (step, loss, accuracy), side by side, each
-/// with its raw values and a moving average.
-pub fn training_curves_svg(points: &[(f64, f64, f64)], title: &str) -> Result<String, ChartError> {
-    let mut svg = String::new();
-    {
-        let root = SVGBackend::with_string(&mut svg, (1200, 420)).into_drawing_area();
-        root.fill(&WHITE).map_err(err)?;
-        let root = root.titled(title, (FONT, 18)).map_err(err)?;
-        let (left, right) = root.split_horizontally(600);
-        let loss: Vec<(f64, f64)> = points.iter().map(|p| (p.0, p.1)).collect();
-        let accuracy: Vec<(f64, f64)> = points.iter().map(|p| (p.0, p.2)).collect();
-        draw_curve(&left, &loss, "Training loss", "cross-entropy", false)?;
-        draw_curve(
-            &right,
-            &accuracy,
-            "Draft accuracy (block positions 1..)",
-            "fraction correct",
-            true,
-        )?;
-        root.present().map_err(err)?;
-    }
-    Ok(svg)
-}
-
-fn draw_curve(
-    area: &Area<'_>,
-    values: &[(f64, f64)],
-    caption: &str,
-    y_desc: &str,
-    unit_range: bool,
-) -> Result<(), ChartError> {
-    let finite: Vec<(f64, f64)> = values
-        .iter()
-        .copied()
-        .filter(|(x, y)| x.is_finite() && y.is_finite())
-        .collect();
-    let x_max = finite.iter().map(|p| p.0).fold(1.0, f64::max);
-    let (y_min, y_max) = if unit_range {
-        (0.0, 1.0)
-    } else {
-        let lo = finite.iter().map(|p| p.1).fold(f64::INFINITY, f64::min);
-        let hi = finite.iter().map(|p| p.1).fold(f64::NEG_INFINITY, f64::max);
-        if lo.is_finite() && hi > lo {
-            (
-                lo.min(0.0).max(lo - 0.05 * (hi - lo)),
-                hi + 0.05 * (hi - lo),
-            )
-        } else {
-            (0.0, 1.0)
-        }
-    };
-    let mut chart = ChartBuilder::on(area)
-        .caption(caption, (FONT, 15))
-        .margin(10)
-        .x_label_area_size(30)
-        .y_label_area_size(50)
-        .build_cartesian_2d(0f64..x_max, y_min..y_max)
-        .map_err(err)?;
-    chart
-        .configure_mesh()
-        .x_desc("optimiser step")
-        .y_desc(y_desc)
-        .draw()
-        .map_err(err)?;
-    chart
-        .draw_series(LineSeries::new(
-            finite.iter().copied(),
-            RGBColor(31, 119, 180).mix(0.35),
-        ))
-        .map_err(err)?;
-    let window = (finite.len() / 20).max(1);
-    let smooth = finite.iter().enumerate().map(|(i, &(x, _))| {
-        let from = i.saturating_sub(window - 1);
-        let span = &finite[from..=i];
-        (x, span.iter().map(|p| p.1).sum::<f64>() / span.len() as f64)
-    });
-    chart
-        .draw_series(LineSeries::new(
-            smooth,
-            RGBColor(214, 39, 40).stroke_width(2),
-        ))
         .map_err(err)?;
     Ok(())
 }
