@@ -440,7 +440,7 @@ fn check_run(config: &RunConfig) {
             .dflash
             .as_ref()
             .map(|d| 5 * 4096 * d.feature_dtype.bytes());
-        let _ = shown(dflash_orch::runtime::launch_plan::ring_bytes(
+        let _ = shown(dflash_orch::runtime::dry_run::ring_bytes(
             targets,
             config.planner.token_budget,
             width,

@@ -71,19 +71,7 @@ pub fn clock(seconds: f64) -> String {
     } else {
         0
     };
-    let (d, h, m, s) = (
-        seconds / 86_400,
-        seconds / 3600 % 24,
-        seconds / 60 % 60,
-        seconds % 60,
-    );
-    if d > 0 {
-        format!("{d}d{h:02}h")
-    } else if h > 0 {
-        format!("{h}h{m:02}m")
-    } else {
-        format!("{m}m{s:02}s")
-    }
+    span(seconds, ["d", "h", "m", "s"], "", 2)
 }
 
 /// A span spelled out, for reports: `12.5 s`, `3 min 05 s`, `1 h 02 min 03 s`,
@@ -95,15 +83,29 @@ pub fn duration(seconds: f64) -> String {
     if seconds < 60.0 {
         return format!("{seconds:.1} s");
     }
-    let s = seconds.round() as u64;
-    let (d, h, m, s) = (s / 86_400, s / 3600 % 24, s / 60 % 60, s % 60);
-    if d > 0 {
-        format!("{d} d {h:02} h {m:02} min")
-    } else if h > 0 {
-        format!("{h} h {m:02} min {s:02} s")
-    } else {
-        format!("{m} min {s:02} s")
-    }
+    span(seconds.round() as u64, [" d", " h", " min", " s"], " ", 3)
+}
+
+/// `seconds` in days, hours, minutes and seconds: `parts` of them from the largest that is not
+/// zero (minutes at least), each with its unit, the later ones on two digits.
+fn span(seconds: u64, units: [&str; 4], separator: &str, parts: usize) -> String {
+    let values = [
+        seconds / 86_400,
+        seconds / 3600 % 24,
+        seconds / 60 % 60,
+        seconds % 60,
+    ];
+    let first = values[..2].iter().position(|&v| v > 0).unwrap_or(2);
+    (first..(first + parts).min(4))
+        .map(|i| {
+            if i == first {
+                format!("{}{}", values[i], units[i])
+            } else {
+                format!("{:02}{}", values[i], units[i])
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(separator)
 }
 
 /// Unix seconds as `2025-01-31 12:00:05 UTC` (`-` when out of range).
@@ -161,6 +163,7 @@ mod tests {
         assert_eq!(clock(185.0), "3m05s");
         assert_eq!(clock(5.0 * 3600.0 + 12.0 * 60.0 + 59.0), "5h12m");
         assert_eq!(clock(2.0 * 86_400.0 + 7.0 * 3600.0 + 1.0), "2d07h");
+        assert_eq!(clock(86_400.0), "1d00h");
         assert_eq!(clock(f64::NAN), "0m00s");
         assert_eq!(clock(-5.0), "0m00s");
         assert_eq!(duration(12.54), "12.5 s");
@@ -170,6 +173,8 @@ mod tests {
             duration(2.0 * 86_400.0 + 7.0 * 3600.0 + 240.0),
             "2 d 07 h 04 min"
         );
+        assert_eq!(duration(86_400.0 + 300.0), "1 d 00 h 05 min");
+        assert_eq!(duration(60.0), "1 min 00 s");
         assert_eq!(duration(f64::NAN), "-");
         assert_eq!(utc(0.0), "1970-01-01 00:00:00 UTC");
         assert_eq!(utc(1_738_324_805.0), "2025-01-31 12:00:05 UTC");

@@ -51,7 +51,7 @@ pub fn tensor_shapes(path: &Path) -> Result<BTreeMap<String, Vec<usize>>, ModelD
     let (_, metadata) = SafeTensors::read_metadata(&map).map_err(|e| {
         invalid(
             path,
-            format!("not a complete safetensors file ({e}; truncated or damaged?)"),
+            format!("not a complete safetensors file: {e} (file truncated or damaged?)"),
         )
     })?;
     let mut shapes = BTreeMap::new();

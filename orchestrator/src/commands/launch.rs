@@ -396,7 +396,7 @@ pub fn run(args: LaunchArgs) -> Result<(), CliError> {
         return dry_run(&args);
     }
     let (config, changes) = if args.resume {
-        runtime::launch_plan::check_not_live(&args.run_dir).map_err(run_error)?;
+        runtime::run_lock::check_not_live(&args.run_dir).map_err(run_error)?;
         let stored = runtime::resume::stored_config(&args.run_dir).map_err(run_error)?;
         let session = config_from_args(&args, Some(&stored))?;
         let given = runtime::resume::given_values(&args.given, &session);
@@ -460,7 +460,7 @@ fn dry_run(args: &LaunchArgs) -> Result<(), CliError> {
         config_from_args(args, None)?
     };
     let gpu_memory = args.gpu_memory.map(|g| (g * f64::from(1u32 << 30)) as u64);
-    let found = runtime::launch_plan::dry_run(&config, gpu_memory).map_err(run_error)?;
+    let found = runtime::dry_run::dry_run(&config, gpu_memory).map_err(run_error)?;
     if args.json {
         println!(
             "{}",
@@ -479,7 +479,7 @@ fn dry_run(args: &LaunchArgs) -> Result<(), CliError> {
 }
 
 /// The dry run as a table.
-fn dry_run_text(d: &runtime::launch_plan::DryRun) -> String {
+fn dry_run_text(d: &runtime::dry_run::DryRun) -> String {
     use crate::format::gib;
     use std::fmt::Write;
     let mut out = String::new();

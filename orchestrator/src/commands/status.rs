@@ -97,7 +97,7 @@ fn text(v: &Value) -> String {
             .map(|c| c.to_string())
             .collect();
         let process = match (w["cpu_pct"].as_f64(), w["rss_bytes"].as_u64()) {
-            (Some(c), Some(m)) => format!("cpu {c:.0}%, {} MB; ", m / 1_000_000),
+            (Some(c), Some(m)) => format!("cpu {c:.0}%, {}; ", crate::format::bytes(m)),
             _ => String::new(),
         };
         let gpu = match w["gpu_power_w"].as_f64() {

@@ -7,9 +7,12 @@
 //! steps strictly in plan order. A worker that dies or hangs has its leases reclaimed (its batch
 //! goes back to the front of the queue) and is restarted with backoff.
 
+mod commit;
+mod config;
 pub mod control;
 mod dflash_stage;
 pub mod dispatch;
+pub mod dry_run;
 pub mod eval;
 mod feeder;
 mod handlers;
@@ -19,6 +22,7 @@ pub mod memory;
 pub mod metrics;
 mod progress;
 pub mod resume;
+pub mod run_lock;
 pub mod spec;
 mod supervisor;
 pub mod workers;
@@ -29,148 +33,20 @@ use std::sync::atomic::Ordering;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use dflash_common::dflash::{DflashSettings, NonFinite};
+use dflash_common::dflash::NonFinite;
 use dflash_common::ring::{Ring, SlotMeta};
 use dflash_common::wire::{BatchId, Event, Group, Job, Role, TrainMetrics};
 use ipc_channel::ipc::IpcSender;
-use serde::{Deserialize, Serialize};
 
-use crate::planner::{EpochPlan, Layout as PlanLayout, PlanConfig, Planner};
+use crate::planner::{EpochPlan, Planner};
 
+pub use config::{PlannerSettings, RunConfig};
 use dispatch::Dispatch;
 use feeder::{SYNTHETIC_VOCAB, Tokens};
 use journal::{Entry, JournalWriter};
-pub use launch_plan::{RunLock, launch, lock_run_dir, remove_recorded_segments};
+pub use launch_plan::launch;
+pub use run_lock::{RunLock, lock_run_dir, remove_recorded_segments};
 use spec::Device;
-
-/// Everything that defines a run; written to the journal's first line and read back by a resume.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct RunConfig {
-    pub gpus: String,
-    pub topology: Option<String>,
-    pub data: Option<PathBuf>,
-    pub synthetic: Option<usize>,
-    pub synthetic_seed: u64,
-    pub stage: String,
-    pub synthetic_us_per_token: f64,
-    pub epochs: u32,
-    pub planner: PlannerSettings,
-    pub max_restarts: u32,
-    pub restart_window_s: f64,
-    pub heartbeat_timeout_s: f64,
-    pub heartbeat_ms: u64,
-    /// Seconds between monitor readings (GPUs, worker processes).
-    #[serde(default = "default_monitor_interval")]
-    pub monitor_interval_s: f64,
-    /// The Prometheus endpoint's address (`--metrics-addr`).
-    #[serde(default)]
-    pub metrics_addr: Option<String>,
-    /// The DFlash stage's settings (`--stage dflash`).
-    #[serde(default)]
-    pub dflash: Option<DflashSettings>,
-    /// A job running longer than this is taken for a hang (`--job-timeout`); `None`: auto.
-    #[serde(default)]
-    pub job_timeout_s: Option<f64>,
-    /// How long stopping workers may take (the drafter's final checkpoint) before they are
-    /// killed (`--stop-grace`).
-    #[serde(default = "default_stop_grace")]
-    pub stop_grace_s: f64,
-    /// Served-acceptance evaluations during training (`--eval-every`).
-    #[serde(default)]
-    pub eval: Option<eval::EvalConfig>,
-}
-
-fn default_stop_grace() -> f64 {
-    STOP_GRACE.as_secs_f64()
-}
-
-impl RunConfig {
-    /// The settings that decide the trained weights and the plans, where `self` and `other`
-    /// differ (what a resume may not change).
-    pub fn weight_settings_differ(&self, other: &RunConfig) -> Vec<String> {
-        let mut differ = Vec::new();
-        let mut check = |name: &str, same: bool| {
-            if !same {
-                differ.push(name.to_string());
-            }
-        };
-        check("data", self.data == other.data);
-        check(
-            "synthetic workload",
-            (self.synthetic, self.synthetic_seed) == (other.synthetic, other.synthetic_seed),
-        );
-        check("stage", self.stage == other.stage);
-        check("epochs", self.epochs == other.epochs);
-        check("planner settings", self.planner == other.planner);
-        let dflash = |c: &RunConfig| {
-            c.dflash.as_ref().map(|d| {
-                let mut d = d.clone();
-                // Filled in at launch.
-                d.fingerprint.clear();
-                d.total_steps = 0;
-                d.token_budget = 0;
-                d.checkpoint_dir = PathBuf::new();
-                // May change on resume.
-                d.on_nonfinite = NonFinite::default();
-                d.eval_every = None;
-                d
-            })
-        };
-        check("DFlash settings", dflash(self) == dflash(other));
-        // Held-out samples are left out of the plans.
-        let holdout = |c: &RunConfig| c.eval.as_ref().map_or(0, |e| e.holdout);
-        check("held-out samples", holdout(self) == holdout(other));
-        differ
-    }
-}
-
-fn default_monitor_interval() -> f64 {
-    1.0
-}
-
-/// The planner options, as text (how they are written on the command line).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct PlannerSettings {
-    pub mode: String,
-    pub interleave: String,
-    pub buckets: String,
-    pub token_budget: u64,
-    pub max_len: u32,
-    pub on_overlong: String,
-    pub accum: u32,
-    pub seed: u64,
-}
-
-impl PlannerSettings {
-    pub fn from_config(c: &PlanConfig) -> Self {
-        Self {
-            mode: c.mode.name().into(),
-            interleave: c.interleave.name().into(),
-            buckets: c.buckets.to_string(),
-            token_budget: c.token_budget,
-            max_len: c.max_len,
-            on_overlong: c.on_overlong.name().into(),
-            accum: c.accum,
-            seed: c.seed,
-        }
-    }
-
-    pub fn to_config(&self) -> Result<PlanConfig, String> {
-        let e = |e: crate::planner::PlanError| e.to_string();
-        let config = PlanConfig {
-            mode: self.mode.parse().map_err(e)?,
-            interleave: self.interleave.parse().map_err(e)?,
-            buckets: self.buckets.parse().map_err(e)?,
-            token_budget: self.token_budget,
-            max_len: self.max_len,
-            on_overlong: self.on_overlong.parse().map_err(e)?,
-            accum: self.accum,
-            seed: self.seed,
-        };
-        config.validate().map_err(e)?;
-        Ok(config)
-    }
-}
 
 /// Why a run could not start or did not finish.
 #[derive(Debug, thiserror::Error)]
@@ -665,190 +541,6 @@ impl Run {
             }
         }
         Ok(())
-    }
-
-    /// Commits trained batches in plan order.
-    fn commit_ready(&mut self) -> Result<(), RunError> {
-        // Also while stopping: what the drafter trained is in its final checkpoint.
-        while self.epoch < self.config.epochs {
-            let Some(b) = self.dispatch.commit_next() else {
-                return Ok(());
-            };
-            self.commit(b, self.checksums[b])?;
-        }
-        Ok(())
-    }
-
-    /// Journals the commit of batch `b` (the dispatcher's cursor has just passed it); moves to the
-    /// next epoch at the end of one.
-    fn commit(&mut self, b: usize, checksum: u32) -> Result<(), RunError> {
-        let batch = &self.plan.batches[b];
-        self.journal
-            .append(&Entry::Commit {
-                epoch: self.epoch,
-                step: self.step_base + b as u64,
-                batch: b as u64,
-                samples: batch.count,
-                checksum,
-            })
-            .map_err(|e| RunError::Failed(format!("journal: {e}")))?;
-        self.tokens_committed += batch.real_tokens;
-        let record = self.batch_record(b);
-        self.metrics
-            .batch(&record)
-            .map_err(|e| RunError::Failed(format!("{}: {e}", metrics::FILE)))?;
-        self.committed_total += 1;
-        if b + 1 == self.plan.batches.len() {
-            if self.epoch + 1 == self.config.epochs {
-                self.epoch += 1;
-                self.stopping.get_or_insert(Outcome::Completed);
-                return Ok(());
-            }
-            let base = self.step_base + self.plan.batches.len() as u64;
-            self.enter(self.epoch + 1, base, 0);
-            self.journal_epoch()?;
-        }
-        Ok(())
-    }
-
-    /// Positions the run at `batch` of `epoch` (whose first step is `base`) with an empty
-    /// pipeline: nothing fed, queued or leased.
-    fn enter(&mut self, epoch: u32, base: u64, batch: usize) {
-        if epoch != self.epoch || self.plan.batches.is_empty() {
-            self.plan = self.planner.plan_epoch(u64::from(epoch));
-        }
-        self.epoch = epoch;
-        self.step_base = base;
-        let n = self.plan.batches.len();
-        self.checksums = vec![0; n];
-        self.nonfinite = vec![None; n];
-        self.timing = vec![(0.0, None, 0.0); n];
-        if batch == 0 {
-            self.bucket_batches.clear();
-        }
-        self.dispatch.enter(n, batch);
-        self.committed_total = base + batch as u64;
-    }
-
-    /// Moves the run to plan position `cursor`, where the drafter resumed, once no worker holds a
-    /// lease. Backwards (the drafter restarted from a checkpoint): the later commits are void and
-    /// the batches are replayed. Forwards (the orchestrator died after the drafter checkpointed
-    /// batches it had not journaled yet): those batches are committed from the plan.
-    fn reposition(&mut self) -> Result<(), RunError> {
-        let Some(cursor) = self.rewind_to else {
-            return Ok(());
-        };
-        if self.dispatch.holds_leases() {
-            return Ok(());
-        }
-        self.rewind_to = None;
-        if cursor >= self.committed_total {
-            let from = self.committed_total;
-            self.enter(self.epoch, self.step_base, self.dispatch.next_commit());
-            while self.committed_total < cursor && self.epoch < self.config.epochs {
-                let b = self.dispatch.skip_next();
-                let checksum = self.batch_checksum(b);
-                self.commit(b, checksum)?;
-            }
-            if self.epoch < self.config.epochs {
-                self.enter(self.epoch, self.step_base, self.dispatch.next_commit());
-            }
-            let message = format!(
-                "the drafter's checkpoint is ahead of the journal: committed plan positions {from}..{cursor} from the checkpoint without training them again"
-            );
-            tracing::warn!("{message}");
-            self.journal
-                .append(&Entry::CommittedFromCheckpoint {
-                    from_step: from,
-                    to_step: cursor,
-                })
-                .map_err(|e| RunError::Failed(format!("journal: {e}")))?;
-            let _ = self
-                .metrics
-                .event("committed_from_checkpoint", None, &message);
-            return Ok(());
-        }
-        let mut base = 0;
-        let mut epoch = 0;
-        for &size in &self.epoch_sizes {
-            if cursor < base + size {
-                break;
-            }
-            base += size;
-            epoch += 1;
-        }
-        let batch = (cursor - base) as usize;
-        let voided = self.committed_total - cursor;
-        self.journal
-            .append(&Entry::Rewind {
-                to_step: cursor,
-                epoch,
-                batch: batch as u64,
-                reason: format!("the drafter resumed from its checkpoint at step {cursor}"),
-            })
-            .map_err(|e| RunError::Failed(format!("journal: {e}")))?;
-        let message = format!(
-            "drafter resumed at plan position {cursor}: replaying {voided} batches from epoch {epoch} batch {batch}"
-        );
-        tracing::warn!("{message}");
-        let _ = self.metrics.event("rewind", None, &message);
-        self.epoch_sizes.truncate(epoch as usize + 1);
-        self.enter(epoch, base, batch);
-        Ok(())
-    }
-
-    /// The `batch` metrics of batch `b`, committed now.
-    fn batch_record(&mut self, b: usize) -> metrics::BatchRecord {
-        let batch = self.plan.batches[b];
-        // Padded: rows × longest row; packed: the batch's capacity (as the planner counts them).
-        let padded_tokens = match self.plan.layout {
-            PlanLayout::Padded => u64::from(batch.count) * u64::from(batch.max_len),
-            PlanLayout::Packed => self.config.planner.token_budget,
-        };
-        let now = Instant::now();
-        self.window
-            .push_back((now, batch.real_tokens, padded_tokens));
-        while self
-            .window
-            .front()
-            .is_some_and(|(t, ..)| now.duration_since(*t) > Duration::from_secs(10))
-        {
-            self.window.pop_front();
-        }
-        let span = self
-            .window
-            .front()
-            .map_or(0.0, |(t, ..)| now.duration_since(*t).as_secs_f64())
-            .max(self.started.elapsed().as_secs_f64().min(10.0))
-            .max(1e-3);
-        let (real, padded) = self
-            .window
-            .iter()
-            .fold((0, 0), |(r, p), (_, a, b)| (r + a, p + b));
-        self.session_tokens.0 += batch.real_tokens;
-        self.session_tokens.1 += padded_tokens;
-        let (input_ring_occupancy, feature_ring_occupancy) = self.dispatch.occupancy();
-        let (wait_s, _, compute_s) = self.timing.get(b).copied().unwrap_or((0.0, None, 0.0));
-        metrics::BatchRecord {
-            epoch: self.epoch,
-            batch: b as u64,
-            step: self.step_base + b as u64,
-            bucket: batch.bucket,
-            samples: batch.count,
-            real_tokens: batch.real_tokens,
-            padded_tokens,
-            mean_len: batch.real_tokens as f64 / f64::from(batch.count.max(1)),
-            max_len: batch.max_len,
-            wait_s,
-            compute_s,
-            tokens_per_s: real as f64 / span,
-            padded_tokens_per_s: padded as f64 / span,
-            padding_efficiency: self.session_tokens.0 as f64 / self.session_tokens.1.max(1) as f64,
-            input_ring_occupancy,
-            feature_ring_occupancy,
-            restarts: self.workers.iter().map(|w| w.restarts).sum(),
-            bucket_batches: self.bucket_batches.clone(),
-        }
     }
 
     /// Asks the monitor thread for a reading of the run's GPUs and worker processes.

@@ -26,12 +26,12 @@ impl Run {
             "-".into()
         };
         let mut line = format!(
-            "epoch {}/{} · batch {}/{} · {:.1} Ktok/s",
+            "epoch {}/{} · batch {}/{} · {}",
             (self.epoch + 1).min(self.config.epochs),
             self.config.epochs,
             self.committed_total,
             total,
-            self.tokens_committed as f64 / elapsed / 1000.0
+            crate::format::rate(self.tokens_committed as f64 / elapsed, "tok/s")
         );
         if let Some(m) = &self.metrics.last {
             line.push_str(&format!(
