@@ -38,7 +38,12 @@ fn assert_kept(dir: &Path) {
 fn bad_arguments_are_refused_before_the_directory_is_touched() {
     let root = tempfile::tempdir().unwrap();
     let dir = precious(root.path());
-    for bad in [["--samples", "1"], ["--epochs", "0"]] {
+    for bad in [
+        ["--samples", "1"],
+        ["--epochs", "0"],
+        ["--kd-temperature", "0"],
+        ["--loss", "kl"],
+    ] {
         let mut args = vec!["--force"];
         args.extend_from_slice(&bad);
         let out = demo(&dir, &args);
@@ -120,10 +125,29 @@ fn force_replaces_an_earlier_demo() {
 
     let out = demo(
         &dir,
-        &["--force", "--samples", "50", "--epochs", "5", "--json"],
+        &[
+            "--force",
+            "--samples",
+            "50",
+            "--epochs",
+            "5",
+            "--loss",
+            "mix",
+            "--kd-temperature",
+            "0.5",
+            "--json",
+        ],
     );
     let summary: serde_json::Value = serde_json::from_str(&stdout_ok(&out)).unwrap();
     assert!(summary["steps"].as_u64().unwrap() >= 10, "{summary}");
+    // The loss options reach the run.
+    let journal = fs::read_to_string(dir.join("run").join("journal.jsonl")).unwrap();
+    let run: serde_json::Value = serde_json::from_str(journal.lines().next().unwrap()).unwrap();
+    let dflash = &run["config"]["dflash"];
+    assert_eq!(
+        (dflash["loss"].as_str(), dflash["kd_temperature"].as_f64()),
+        (Some("mix"), Some(0.5))
+    );
     assert!(
         !dir.join("run").join("stale.jsonl").exists(),
         "not replaced"

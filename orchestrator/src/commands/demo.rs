@@ -39,6 +39,11 @@ pub struct DemoArgs {
     #[arg(long, value_name = "ce|kd|mix", default_value = "ce")]
     pub loss: dflash_common::dflash::LossKind,
 
+    /// Temperature of the target's distribution that kd and mix teach (launch's default when
+    /// not given; see `launch --help`).
+    #[arg(long, value_name = "T", value_parser = crate::options::positive(100.0, ""))]
+    pub kd_temperature: Option<f64>,
+
     /// Seed of the data, the target, the plans and the drafter.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -494,6 +499,11 @@ pub fn run(args: DemoArgs) -> Result<(), CliError> {
     ]
     .iter()
     .map(|s| s.to_string())
+    .chain(
+        args.kd_temperature
+            .into_iter()
+            .flat_map(|t| ["--kd-temperature".to_owned(), t.to_string()]),
+    )
     .collect();
     step("[5/7]", &launch, false)?;
     let checkpoint = std::fs::read_to_string(run_dir.join("checkpoints").join("latest"))
