@@ -70,7 +70,9 @@ impl Run {
         if self.bar.is_hidden() {
             eprintln!("{line}");
         } else if last {
-            self.bar.finish_with_message(line);
+            // The last line stays, on a line of its own, above what follows.
+            self.bar.finish_and_clear();
+            eprintln!("{line}");
         } else {
             self.bar.set_message(line);
         }
