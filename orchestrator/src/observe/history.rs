@@ -16,29 +16,29 @@ use crate::runtime::{journal, metrics};
 
 /// The fields of a metrics line the report uses; the others are skipped.
 #[derive(Debug, Default, Deserialize)]
-pub struct Line {
-    pub kind: Option<String>,
-    pub time: Option<f64>,
-    pub step: Option<u64>,
-    pub loss: Option<f64>,
-    pub accuracy: Option<f64>,
-    pub acceptance_length: Option<f64>,
-    pub tau: Option<f64>,
-    pub tokens: Option<f64>,
-    pub bucket: Option<Value>,
-    pub real_tokens: Option<f64>,
-    pub padded_tokens: Option<f64>,
-    pub tokens_per_s: Option<f64>,
-    pub padded_tokens_per_s: Option<f64>,
-    pub gpu: Option<Value>,
-    pub worker: Option<Value>,
-    pub role: Option<String>,
-    pub power_w: Option<f64>,
-    pub utilization_pct: Option<f64>,
-    pub cpu_pct: Option<f64>,
-    pub rss_bytes: Option<f64>,
-    pub event: Option<String>,
-    pub message: Option<String>,
+struct Line {
+    kind: Option<String>,
+    time: Option<f64>,
+    step: Option<u64>,
+    loss: Option<f64>,
+    accuracy: Option<f64>,
+    acceptance_length: Option<f64>,
+    tau: Option<f64>,
+    tokens: Option<f64>,
+    bucket: Option<Value>,
+    real_tokens: Option<f64>,
+    padded_tokens: Option<f64>,
+    tokens_per_s: Option<f64>,
+    padded_tokens_per_s: Option<f64>,
+    gpu: Option<Value>,
+    worker: Option<Value>,
+    role: Option<String>,
+    power_w: Option<f64>,
+    utilization_pct: Option<f64>,
+    cpu_pct: Option<f64>,
+    rss_bytes: Option<f64>,
+    event: Option<String>,
+    message: Option<String>,
 }
 
 /// A label that sorts numbers numerically and before text (GPU 2 before GPU 10).
@@ -177,7 +177,7 @@ impl Run {
     }
 
     /// Adds one parsed line; `Err` says what is wrong with it.
-    pub fn add(&mut self, line: Line) -> Result<(), String> {
+    fn add(&mut self, line: Line) -> Result<(), String> {
         // Lines written before `kind` existed are train lines.
         let kind = match line.kind.as_deref() {
             Some(k) => k,
