@@ -285,36 +285,42 @@ impl Qwen3Shape {
     /// `layers` decoder layers, in a fixed order: the embedding, the layers, the final norm and
     /// the output head.
     pub fn tensors(&self, layers: usize) -> Vec<(String, Vec<usize>, bool)> {
-        let (h, hd, i) = (self.hidden, self.head_dim, self.intermediate);
-        let (q, kv) = (self.heads * hd, self.kv_heads * hd);
         let mut t = vec![(
             "model.embed_tokens.weight".to_owned(),
-            vec![self.vocab, h],
+            vec![self.vocab, self.hidden],
             false,
         )];
         for l in 0..layers.min(self.layers) {
-            let p = format!("model.layers.{l}");
-            t.extend([
-                (format!("{p}.input_layernorm.weight"), vec![h], true),
-                (format!("{p}.self_attn.q_proj.weight"), vec![q, h], false),
-                (format!("{p}.self_attn.k_proj.weight"), vec![kv, h], false),
-                (format!("{p}.self_attn.v_proj.weight"), vec![kv, h], false),
-                (format!("{p}.self_attn.o_proj.weight"), vec![h, q], false),
-                (format!("{p}.self_attn.q_norm.weight"), vec![hd], true),
-                (format!("{p}.self_attn.k_norm.weight"), vec![hd], true),
-                (
-                    format!("{p}.post_attention_layernorm.weight"),
-                    vec![h],
-                    true,
-                ),
-                (format!("{p}.mlp.gate_proj.weight"), vec![i, h], false),
-                (format!("{p}.mlp.up_proj.weight"), vec![i, h], false),
-                (format!("{p}.mlp.down_proj.weight"), vec![h, i], false),
-            ]);
+            t.extend(
+                self.layer_tensors()
+                    .into_iter()
+                    .map(|(name, shape, norm)| (format!("model.layers.{l}.{name}"), shape, norm)),
+            );
         }
+        let h = self.hidden;
         t.push(("model.norm.weight".to_owned(), vec![h], true));
         t.push(("lm_head.weight".to_owned(), vec![self.vocab, h], false));
         t
+    }
+
+    /// `(name within the layer, shape, is_norm)` of each tensor of one decoder layer, in a fixed
+    /// order: a target's layers and a drafter's are made of the same tensors.
+    pub fn layer_tensors(&self) -> [(&'static str, Vec<usize>, bool); 11] {
+        let (h, hd, i) = (self.hidden, self.head_dim, self.intermediate);
+        let (q, kv) = (self.heads * hd, self.kv_heads * hd);
+        [
+            ("input_layernorm.weight", vec![h], true),
+            ("self_attn.q_proj.weight", vec![q, h], false),
+            ("self_attn.k_proj.weight", vec![kv, h], false),
+            ("self_attn.v_proj.weight", vec![kv, h], false),
+            ("self_attn.o_proj.weight", vec![h, q], false),
+            ("self_attn.q_norm.weight", vec![hd], true),
+            ("self_attn.k_norm.weight", vec![hd], true),
+            ("post_attention_layernorm.weight", vec![h], true),
+            ("mlp.gate_proj.weight", vec![i, h], false),
+            ("mlp.up_proj.weight", vec![i, h], false),
+            ("mlp.down_proj.weight", vec![h, i], false),
+        ]
     }
 }
 
@@ -326,21 +332,24 @@ pub struct ModelDirError {
     pub reason: String,
 }
 
-fn invalid(path: &Path, reason: impl Into<String>) -> ModelDirError {
-    ModelDirError {
-        path: path.to_path_buf(),
-        reason: reason.into(),
+impl ModelDirError {
+    pub fn new(path: &Path, reason: impl Into<String>) -> Self {
+        ModelDirError {
+            path: path.to_path_buf(),
+            reason: reason.into(),
+        }
     }
 }
 
 /// Reads and checks `config.json` of a Qwen3 model directory.
 pub fn read_config(dir: &Path) -> Result<Qwen3Config, ModelDirError> {
     let path = dir.join("config.json");
-    let text = std::fs::read(&path).map_err(|e| invalid(&path, format!("cannot read: {e}")))?;
+    let text =
+        std::fs::read(&path).map_err(|e| ModelDirError::new(&path, format!("cannot read: {e}")))?;
     let config: Qwen3Config = serde_json::from_slice(&text)
-        .map_err(|e| invalid(&path, format!("not a Qwen3 config: {e}")))?;
+        .map_err(|e| ModelDirError::new(&path, format!("not a Qwen3 config: {e}")))?;
     if !config.architectures.iter().any(|a| a == "Qwen3ForCausalLM") {
-        return Err(invalid(
+        return Err(ModelDirError::new(
             &path,
             format!(
                 "unsupported architecture {:?} (this build runs Qwen3ForCausalLM)",
@@ -354,7 +363,7 @@ pub fn read_config(dir: &Path) -> Result<Qwen3Config, ModelDirError> {
             .num_attention_heads
             .is_multiple_of(config.num_key_value_heads)
     {
-        return Err(invalid(
+        return Err(ModelDirError::new(
             &path,
             "attention heads must be a multiple of key/value heads",
         ));
@@ -366,7 +375,7 @@ pub fn read_config(dir: &Path) -> Result<Qwen3Config, ModelDirError> {
         || !config.head_dim().is_multiple_of(2)
         || config.head_dim() == 0
     {
-        return Err(invalid(
+        return Err(ModelDirError::new(
             &path,
             "vocab_size, hidden_size, intermediate_size and num_hidden_layers must be positive and head_dim even",
         ));
@@ -376,7 +385,7 @@ pub fn read_config(dir: &Path) -> Result<Qwen3Config, ModelDirError> {
         .checked_mul(config.head_dim())
         .is_none()
     {
-        return Err(invalid(
+        return Err(ModelDirError::new(
             &path,
             "num_attention_heads × head_dim is too large",
         ));
@@ -392,7 +401,7 @@ pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, ModelDirError> {
     }
     let index = dir.join("model.safetensors.index.json");
     let text = std::fs::read(&index).map_err(|_| {
-        invalid(
+        ModelDirError::new(
             dir,
             "has neither model.safetensors nor model.safetensors.index.json",
         )
@@ -401,8 +410,8 @@ pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, ModelDirError> {
     struct Index {
         weight_map: BTreeMap<String, String>,
     }
-    let index_data: Index =
-        serde_json::from_slice(&text).map_err(|e| invalid(&index, format!("bad index: {e}")))?;
+    let index_data: Index = serde_json::from_slice(&text)
+        .map_err(|e| ModelDirError::new(&index, format!("bad index: {e}")))?;
     let mut files: Vec<String> = index_data.weight_map.into_values().collect();
     files.sort();
     files.dedup();
@@ -411,7 +420,10 @@ pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, ModelDirError> {
         .map(|f| {
             let p = dir.join(&f);
             if Path::new(&f).components().count() != 1 || !p.is_file() {
-                Err(invalid(&index, format!("shard {f:?} is missing")))
+                Err(ModelDirError::new(
+                    &index,
+                    format!("shard {f:?} is missing"),
+                ))
             } else {
                 Ok(p)
             }

@@ -66,19 +66,13 @@ struct RawDflashFields {
     target_layer_ids: Option<Vec<usize>>,
 }
 
-fn invalid(path: &Path, reason: impl Into<String>) -> ModelDirError {
-    ModelDirError {
-        path: path.to_path_buf(),
-        reason: reason.into(),
-    }
-}
-
 impl DraftConfig {
     /// Reads `config.json` of the drafter checkpoint in `dir`.
     pub fn read(dir: &Path) -> Result<Self, ModelDirError> {
         let path = dir.join("config.json");
-        let text = std::fs::read(&path).map_err(|e| invalid(&path, format!("cannot read: {e}")))?;
-        Self::parse(&text).map_err(|reason| invalid(&path, reason))
+        let text = std::fs::read(&path)
+            .map_err(|e| ModelDirError::new(&path, format!("cannot read: {e}")))?;
+        Self::parse(&text).map_err(|reason| ModelDirError::new(&path, reason))
     }
 
     /// Parses a drafter `config.json`.

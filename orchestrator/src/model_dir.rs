@@ -9,25 +9,19 @@ use std::path::Path;
 use dflash_common::dflash::{ModelDirError, Qwen3Config, weight_files};
 use safetensors::{Dtype, SafeTensors};
 
-fn invalid(path: &Path, reason: impl Into<String>) -> ModelDirError {
-    ModelDirError {
-        path: path.to_path_buf(),
-        reason: reason.into(),
-    }
-}
-
 /// The raw header of a safetensors file: its 8-byte length and JSON tensor table, as stored
 /// (what identifies a target without its gigabytes of weights).
 pub fn header_bytes(path: &Path) -> Result<Vec<u8>, ModelDirError> {
-    let mut file =
-        std::fs::File::open(path).map_err(|e| invalid(path, format!("cannot open: {e}")))?;
+    let mut file = std::fs::File::open(path)
+        .map_err(|e| ModelDirError::new(path, format!("cannot open: {e}")))?;
     let mut head = [0u8; 8];
-    file.read_exact(&mut head)
-        .map_err(|_| invalid(path, "not a safetensors file (shorter than its header)"))?;
+    file.read_exact(&mut head).map_err(|_| {
+        ModelDirError::new(path, "not a safetensors file (shorter than its header)")
+    })?;
     let n = u64::from_le_bytes(head);
     let size = file.metadata().map_or(0, |m| m.len());
     if n > 100_000_000 || n.saturating_add(8) > size {
-        return Err(invalid(
+        return Err(ModelDirError::new(
             path,
             format!("not a safetensors file (header of {n} bytes in a file of {size})"),
         ));
@@ -35,7 +29,7 @@ pub fn header_bytes(path: &Path) -> Result<Vec<u8>, ModelDirError> {
     let mut bytes = head.to_vec();
     bytes.resize(8 + n as usize, 0);
     file.read_exact(&mut bytes[8..])
-        .map_err(|e| invalid(path, format!("cannot read the header: {e}")))?;
+        .map_err(|e| ModelDirError::new(path, format!("cannot read the header: {e}")))?;
     Ok(bytes)
 }
 
@@ -43,13 +37,14 @@ pub fn header_bytes(path: &Path) -> Result<Vec<u8>, ModelDirError> {
 /// a mapping of the file (only the header's pages are touched), which also checks that the data
 /// the table describes fills the file exactly. Only float tensors are accepted.
 pub fn tensor_shapes(path: &Path) -> Result<BTreeMap<String, Vec<usize>>, ModelDirError> {
-    let file = std::fs::File::open(path).map_err(|e| invalid(path, format!("cannot open: {e}")))?;
+    let file = std::fs::File::open(path)
+        .map_err(|e| ModelDirError::new(path, format!("cannot open: {e}")))?;
     // SAFETY: the mapping is read only while this function runs, and only its header is parsed;
     // a model directory changed under a starting run is outside the contract.
     let map = unsafe { memmap2::Mmap::map(&file) }
-        .map_err(|e| invalid(path, format!("cannot map: {e}")))?;
+        .map_err(|e| ModelDirError::new(path, format!("cannot map: {e}")))?;
     let (_, metadata) = SafeTensors::read_metadata(&map).map_err(|e| {
-        invalid(
+        ModelDirError::new(
             path,
             format!("not a complete safetensors file: {e} (file truncated or damaged?)"),
         )
@@ -57,7 +52,7 @@ pub fn tensor_shapes(path: &Path) -> Result<BTreeMap<String, Vec<usize>>, ModelD
     let mut shapes = BTreeMap::new();
     for (name, info) in metadata.tensors() {
         if !matches!(info.dtype, Dtype::F32 | Dtype::F16 | Dtype::BF16) {
-            return Err(invalid(
+            return Err(ModelDirError::new(
                 path,
                 format!(
                     "tensor {name} has dtype {:?} (F32, F16 or BF16 expected)",
@@ -87,7 +82,7 @@ pub fn check_weights(dir: &Path, config: &Qwen3Config, layers: usize) -> Result<
     for (name, shape, _) in wanted.into_iter().filter(|(n, ..)| needed(n)) {
         match shapes.get(&name) {
             None => {
-                return Err(invalid(
+                return Err(ModelDirError::new(
                     dir,
                     format!(
                         "the weights have no {name} (config.json says Qwen3 with {} layers)",
@@ -96,7 +91,7 @@ pub fn check_weights(dir: &Path, config: &Qwen3Config, layers: usize) -> Result<
                 ));
             }
             Some(found) if *found != shape => {
-                return Err(invalid(
+                return Err(ModelDirError::new(
                     dir,
                     format!("{name} has shape {found:?}, config.json implies {shape:?}"),
                 ));

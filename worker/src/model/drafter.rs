@@ -124,7 +124,7 @@ impl Drafter {
     /// Fresh weights: matrices N(0, 0.02), norms 1, from `seed`.
     pub fn new(config: DrafterConfig, seed: u64, device: &Device) -> candle_core::Result<Self> {
         let c = &config;
-        let (h, d) = (c.shape.hidden, c.shape.head_dim);
+        let h = c.shape.hidden;
         let mut shapes: Vec<(String, Vec<usize>, bool)> = vec![
             (
                 "fc.weight".into(),
@@ -134,52 +134,12 @@ impl Drafter {
             ("hidden_norm.weight".into(), vec![h], true),
         ];
         for i in 0..c.shape.layers {
-            let p = format!("layers.{i}");
-            shapes.extend([
-                (format!("{p}.input_layernorm.weight"), vec![h], true),
-                (
-                    format!("{p}.self_attn.q_proj.weight"),
-                    vec![c.shape.heads * d, h],
-                    false,
-                ),
-                (
-                    format!("{p}.self_attn.k_proj.weight"),
-                    vec![c.shape.kv_heads * d, h],
-                    false,
-                ),
-                (
-                    format!("{p}.self_attn.v_proj.weight"),
-                    vec![c.shape.kv_heads * d, h],
-                    false,
-                ),
-                (
-                    format!("{p}.self_attn.o_proj.weight"),
-                    vec![h, c.shape.heads * d],
-                    false,
-                ),
-                (format!("{p}.self_attn.q_norm.weight"), vec![d], true),
-                (format!("{p}.self_attn.k_norm.weight"), vec![d], true),
-                (
-                    format!("{p}.post_attention_layernorm.weight"),
-                    vec![h],
-                    true,
-                ),
-                (
-                    format!("{p}.mlp.gate_proj.weight"),
-                    vec![c.shape.intermediate, h],
-                    false,
-                ),
-                (
-                    format!("{p}.mlp.up_proj.weight"),
-                    vec![c.shape.intermediate, h],
-                    false,
-                ),
-                (
-                    format!("{p}.mlp.down_proj.weight"),
-                    vec![h, c.shape.intermediate],
-                    false,
-                ),
-            ]);
+            shapes.extend(
+                c.shape
+                    .layer_tensors()
+                    .into_iter()
+                    .map(|(name, shape, norm)| (format!("layers.{i}.{name}"), shape, norm)),
+            );
         }
         shapes.push(("norm.weight".into(), vec![h], true));
         let mut rng = SplitMix64(seed);
