@@ -7,7 +7,7 @@ use std::path::Path;
 
 use candle_core::{D, DType, Device, Tensor};
 use dflash_e2e::{hidden_states_alone, orch};
-use dflash_worker::model::drafter::{Drafter, DrafterConfig};
+use dflash_worker::model::drafter::{Drafter, DrafterConfig, Heads};
 use dflash_worker::model::qwen3::{Qwen3, load_heads};
 use dflash_worker::speculative::{Draft, Proposer, Target, load_drafter};
 
@@ -256,7 +256,14 @@ fn speculative_decoding_with_a_drafter_is_lossless() {
     for (len, new, block) in [(5, 40, 8), (12, 17, 4), (1, 9, 16)] {
         let p = prompt(len, new);
         let greedy = target.generate(None, &p, new, &[]).unwrap();
-        let mut draft = Draft::new(&drafter, &f.embedding, &f.lm_head, block);
+        let mut draft = Draft::new(
+            &drafter,
+            Heads {
+                embedding: &f.embedding,
+                lm_head: &f.lm_head,
+            },
+            block,
+        );
         let spec = target.generate(Some(&mut draft), &p, new, &[]).unwrap();
         assert_eq!(
             spec.output_ids, greedy.output_ids,

@@ -21,7 +21,7 @@ use std::time::Instant;
 use candle_core::{DType, Device, Tensor};
 use clap::Parser;
 use dflash_worker::dflash::sample_anchors;
-use dflash_worker::model::drafter::{Drafter, DrafterConfig};
+use dflash_worker::model::drafter::{Drafter, DrafterConfig, Heads, MicroBatch, Objective};
 use dflash_worker::model::qwen3::{self, Qwen3};
 use dflash_worker::rng::SplitMix64;
 use dflash_worker::train::{Accumulator, AdamW, AdamWConfig, Schedule, clip_grad_norm};
@@ -235,13 +235,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         // The drafter stage's own training step (worker/src/dflash.rs).
         let (grads, batch) = drafter.micro_batch(
-            &all,
-            &tokens,
-            &masks,
-            &sequences,
-            &embedding,
-            &lm_head,
-            dflash_worker::model::drafter::Objective {
+            MicroBatch {
+                features: &all,
+                tokens: &tokens,
+                loss_mask: &masks,
+                sequences: &sequences,
+            },
+            Heads {
+                embedding: &embedding,
+                lm_head: &lm_head,
+            },
+            Objective {
                 gamma: args.gamma,
                 distill: None,
             },

@@ -798,7 +798,7 @@ pub fn restore(
 #[cfg(test)]
 mod resume_tests {
     use super::*;
-    use crate::model::drafter::DrafterConfig;
+    use crate::model::drafter::{DrafterConfig, Heads, Sequence};
     use crate::train::{AdamWConfig, grads_of};
     use dflash_common::dflash::Qwen3Shape;
 
@@ -837,11 +837,15 @@ mod resume_tests {
             let (loss, _) = d
                 .loss(
                     &features,
-                    &tokens,
-                    &[1; 8],
-                    &[1, 4],
-                    &emb,
-                    &emb,
+                    Sequence {
+                        tokens: &tokens,
+                        loss_mask: &[1; 8],
+                        anchors: &[1, 4],
+                    },
+                    Heads {
+                        embedding: &emb,
+                        lm_head: &emb,
+                    },
                     Default::default(),
                 )
                 .unwrap();

@@ -20,7 +20,7 @@ use dflash_common::ring::{
 use dflash_common::wire::{BatchId, Group, SlotRef, TrainMetrics, Update};
 
 use crate::checkpoint::{self, TrainingState};
-use crate::model::drafter::{Drafter, DrafterConfig, Objective};
+use crate::model::drafter::{Drafter, DrafterConfig, Heads, MicroBatch, Objective};
 use crate::model::qwen3::{self, Qwen3};
 use crate::rng::SplitMix64;
 use crate::stage::{Stage, check_written, claim};
@@ -627,12 +627,16 @@ impl Stage for DrafterStage {
         let (grads, mut batch) = self
             .drafter
             .micro_batch(
-                &all,
-                &tokens,
-                masks,
-                &sequences,
-                &self.embedding,
-                &self.lm_head,
+                MicroBatch {
+                    features: &all,
+                    tokens: &tokens,
+                    loss_mask: masks,
+                    sequences: &sequences,
+                },
+                Heads {
+                    embedding: &self.embedding,
+                    lm_head: &self.lm_head,
+                },
                 Objective {
                     gamma: self.settings.gamma,
                     distill: self.settings.distill(),

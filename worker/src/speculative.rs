@@ -15,7 +15,7 @@ use std::time::Instant;
 use candle_core::{D, DType, Device, Tensor};
 use dflash_common::eval::DraftConfig;
 
-use crate::model::drafter::{Drafter, DrafterConfig};
+use crate::model::drafter::{Drafter, DrafterConfig, Heads};
 use crate::model::qwen3::{KvCache, ModelError, Qwen3};
 
 /// The target with its output head, ready to decode.
@@ -45,26 +45,18 @@ pub trait Proposer {
 /// being decoded (keys and values per drafter layer, extended as tokens are accepted).
 pub struct Draft<'a> {
     pub drafter: &'a Drafter,
-    /// The target's embedding `[vocab, hidden]`.
-    pub embedding: &'a Tensor,
-    /// The target's output head `[vocab, hidden]`.
-    pub lm_head: &'a Tensor,
+    /// The target's embedding and output head.
+    pub heads: Heads<'a>,
     /// Tokens per block (drafted and verified per step).
     pub block_size: usize,
     context: Vec<(Tensor, Tensor)>,
 }
 
 impl<'a> Draft<'a> {
-    pub fn new(
-        drafter: &'a Drafter,
-        embedding: &'a Tensor,
-        lm_head: &'a Tensor,
-        block_size: usize,
-    ) -> Self {
+    pub fn new(drafter: &'a Drafter, heads: Heads<'a>, block_size: usize) -> Self {
         Self {
             drafter,
-            embedding,
-            lm_head,
+            heads,
             block_size,
             context: Vec::new(),
         }
@@ -100,14 +92,7 @@ impl Proposer for Draft<'_> {
 
     fn propose(&mut self, token: u32, position: usize, b: usize) -> Result<Vec<u32>, String> {
         self.drafter
-            .draft(
-                &self.context,
-                token,
-                position,
-                b,
-                self.embedding,
-                self.lm_head,
-            )
+            .draft(&self.context, token, position, b, self.heads)
             .map_err(err)
     }
 }
@@ -360,7 +345,14 @@ pub fn run_eval(request: &Path) -> Result<(), String> {
         model: &model,
         lm_head: &lm_head,
     };
-    let mut draft = Draft::new(&drafter, &embedding, &lm_head, req.block_size);
+    let mut draft = Draft::new(
+        &drafter,
+        Heads {
+            embedding: &embedding,
+            lm_head: &lm_head,
+        },
+        req.block_size,
+    );
     let mut stdout = std::io::stdout().lock();
     for (i, prompt) in req.prompts.iter().enumerate() {
         let spec = target.generate(

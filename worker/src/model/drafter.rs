@@ -78,6 +78,23 @@ pub struct Objective {
     pub distill: Option<(f64, f64)>,
 }
 
+/// The target's frozen matrices the drafter shares: its embedding and its output head, each
+/// `[vocab, hidden]`.
+#[derive(Clone, Copy)]
+pub struct Heads<'a> {
+    pub embedding: &'a Tensor,
+    pub lm_head: &'a Tensor,
+}
+
+/// One sequence to learn from: its tokens, its loss mask (0/1) and its block starts (`anchors`,
+/// sorted, each with the loss mask set).
+#[derive(Clone, Copy)]
+pub struct Sequence<'a> {
+    pub tokens: &'a [u32],
+    pub loss_mask: &'a [u8],
+    pub anchors: &'a [usize],
+}
+
 /// A trainable tensor with its checkpoint name.
 pub struct Param {
     pub name: String,
@@ -180,23 +197,14 @@ impl Drafter {
 
     /// The training loss of one sequence: the weighted mean cross-entropy and, per block
     /// position, (correct, counted) predictions. See [`Drafter::loss_parts`] for the arguments.
-    #[expect(
-        clippy::too_many_arguments,
-        reason = "one sequence's inputs, each a different thing"
-    )]
     pub fn loss(
         &self,
         features: &Tensor,
-        tokens: &[u32],
-        loss_mask: &[u8],
-        anchors: &[usize],
-        embedding: &Tensor,
-        lm_head: &Tensor,
+        sequence: Sequence,
+        heads: Heads,
         objective: Objective,
     ) -> candle_core::Result<(Tensor, Vec<(u32, u32)>)> {
-        let parts = self.loss_parts(
-            features, tokens, loss_mask, anchors, embedding, lm_head, objective,
-        )?;
+        let parts = self.loss_parts(features, sequence, heads, objective)?;
         Ok(((parts.sum / parts.weight.max(1e-9))?, parts.accuracy))
     }
 
@@ -206,39 +214,21 @@ impl Drafter {
     /// - `features`: `[seq, n·hidden]`, the target's hidden states at `target_layer_ids`,
     ///   concatenated in that order (any float dtype), then with distillation the target's last
     ///   hidden state;
-    /// - `tokens`, `loss_mask`: the sequence (`loss_mask` 0/1);
-    /// - `anchors`: block starts, sorted (each with `loss_mask` set);
-    /// - `embedding`, `lm_head`: the target's frozen `[vocab, hidden]` matrices, in the compute
-    ///   dtype.
+    /// - `sequence`: its tokens, loss mask and anchors;
+    /// - `heads`: the target's frozen matrices, in the compute dtype.
     ///
     /// Returns the weighted sum of cross-entropies, the sum of the weights, and per block
     /// position (correct, counted) predictions.
-    #[expect(
-        clippy::too_many_arguments,
-        reason = "one sequence's inputs, each a different thing"
-    )]
     pub fn loss_parts(
         &self,
         features: &Tensor,
-        tokens: &[u32],
-        loss_mask: &[u8],
-        anchors: &[usize],
-        embedding: &Tensor,
-        lm_head: &Tensor,
+        sequence: Sequence,
+        heads: Heads,
         objective: Objective,
     ) -> candle_core::Result<LossParts> {
         let (features, teacher) = self.split(features, objective)?;
         let context = self.context(&features)?;
-        self.blocks(
-            &context,
-            teacher.as_ref(),
-            tokens,
-            loss_mask,
-            anchors,
-            embedding,
-            lm_head,
-            objective,
-        )
+        self.blocks(&context, teacher.as_ref(), sequence, heads, objective)
     }
 
     /// A sequence's features for the context, and with distillation the target's last hidden
@@ -323,21 +313,19 @@ impl Drafter {
     /// The blocks of `anchors` (sorted) against a sequence's `context` (from
     /// [`Drafter::context`]): the parts of their loss. Only the context before the last anchor
     /// is read, so a chunk of early anchors costs less than a chunk of late ones.
-    #[expect(
-        clippy::too_many_arguments,
-        reason = "one sequence's inputs, each a different thing"
-    )]
     pub fn blocks(
         &self,
         context: &[(Tensor, Tensor)],
         teacher: Option<&Tensor>,
-        tokens: &[u32],
-        loss_mask: &[u8],
-        anchors: &[usize],
-        embedding: &Tensor,
-        lm_head: &Tensor,
+        sequence: Sequence,
+        Heads { embedding, lm_head }: Heads,
         objective: Objective,
     ) -> candle_core::Result<LossParts> {
+        let Sequence {
+            tokens,
+            loss_mask,
+            anchors,
+        } = sequence;
         let c = &self.config;
         let dev = embedding.device();
         let (a, b) = (anchors.len(), c.block_size);
@@ -554,8 +542,7 @@ impl Drafter {
         token: u32,
         position: usize,
         b: usize,
-        embedding: &Tensor,
-        lm_head: &Tensor,
+        Heads { embedding, lm_head }: Heads,
     ) -> candle_core::Result<Vec<u32>> {
         if b < 2 {
             return Ok(Vec::new());
@@ -578,18 +565,11 @@ impl Drafter {
     /// copies' gradients are summed, and one last backward pass carries them through the context
     /// into `fc`, the norms and the key/value projections: the gradient of the whole sequence,
     /// equal to the unchunked one up to the order of float sums.
-    #[expect(
-        clippy::too_many_arguments,
-        reason = "one sequence's inputs, each a different thing"
-    )]
     pub fn backward(
         &self,
         features: &Tensor,
-        tokens: &[u32],
-        loss_mask: &[u8],
-        anchors: &[usize],
-        embedding: &Tensor,
-        lm_head: &Tensor,
+        sequence: Sequence,
+        heads: Heads,
         objective: Objective,
         scale: f64,
         chunk: Option<usize>,
@@ -612,17 +592,8 @@ impl Drafter {
             Ok(())
         };
         let chunk = chunk.unwrap_or(usize::MAX).max(1);
-        if anchors.len() <= chunk {
-            let parts = self.blocks(
-                &context,
-                teacher.as_ref(),
-                tokens,
-                loss_mask,
-                anchors,
-                embedding,
-                lm_head,
-                objective,
-            )?;
+        if sequence.anchors.len() <= chunk {
+            let parts = self.blocks(&context, teacher.as_ref(), sequence, heads, objective)?;
             add_parts(&parts)?;
             let grads = grads_of(&(parts.sum * scale)?.backward()?, &vars);
             return Ok((grads, total));
@@ -642,17 +613,12 @@ impl Drafter {
             .collect();
         let mut grads = None;
         let mut context_grads: Vec<[Option<Tensor>; 2]> = vec![[None, None]; context.len()];
-        for part in anchors.chunks(chunk) {
-            let parts = self.blocks(
-                &detached,
-                teacher.as_ref(),
-                tokens,
-                loss_mask,
-                part,
-                embedding,
-                lm_head,
-                objective,
-            )?;
+        for part in sequence.anchors.chunks(chunk) {
+            let part = Sequence {
+                anchors: part,
+                ..sequence
+            };
+            let parts = self.blocks(&detached, teacher.as_ref(), part, heads, objective)?;
             add_parts(&parts)?;
             let store = (parts.sum * scale)?.backward()?;
             add_grads(&mut grads, grads_of(&store, &vars))?;
@@ -701,33 +667,51 @@ pub struct MicroBatchLoss {
     pub counted: Vec<u32>,
 }
 
+/// One micro-batch: its sequences packed one after another in `features` (rows), `tokens` and
+/// `loss_mask`, each sequence given by its range there and its anchors (relative to its start).
+#[derive(Clone, Copy)]
+pub struct MicroBatch<'a> {
+    pub features: &'a Tensor,
+    pub tokens: &'a [u32],
+    pub loss_mask: &'a [u8],
+    pub sequences: &'a [(std::ops::Range<usize>, Vec<usize>)],
+}
+
+impl<'a> MicroBatch<'a> {
+    /// Sequence `i`: its features' rows and the sequence itself.
+    fn sequence(&self, i: usize) -> candle_core::Result<(Tensor, Sequence<'a>)> {
+        let (range, anchors) = &self.sequences[i];
+        let features = self.features.narrow(0, range.start, range.len())?;
+        let sequence = Sequence {
+            tokens: &self.tokens[range.clone()],
+            loss_mask: &self.loss_mask[range.clone()],
+            anchors,
+        };
+        Ok((features, sequence))
+    }
+}
+
 impl Drafter {
-    /// The training step's forward and backward passes over one micro-batch: `sequences` are
-    /// the rows of `features` (and indices into `tokens` and `loss_mask`) of each sequence with
-    /// its anchors. The loss is the mean over all the micro-batch's weighted positions, so each
-    /// sequence's gradient is scaled by the micro-batch's total weight (known before any block
-    /// runs) and by `1 / accum`; sequences are back-propagated one at a time, `chunk` anchors at
-    /// a time. Returns the summed gradients (`None` when nothing was counted) and the loss.
-    #[expect(
-        clippy::too_many_arguments,
-        reason = "one micro-batch's inputs, each a different thing"
-    )]
+    /// The training step's forward and backward passes over one micro-batch. The loss is the
+    /// mean over all the micro-batch's weighted positions, so each sequence's gradient is scaled
+    /// by the micro-batch's total weight (known before any block runs) and by `1 / accum`;
+    /// sequences are back-propagated one at a time, `chunk` anchors at a time. Returns the
+    /// summed gradients (`None` when nothing was counted) and the loss.
     pub fn micro_batch(
         &self,
-        features: &Tensor,
-        tokens: &[u32],
-        loss_mask: &[u8],
-        sequences: &[(std::ops::Range<usize>, Vec<usize>)],
-        embedding: &Tensor,
-        lm_head: &Tensor,
+        batch: MicroBatch,
+        heads: Heads,
         objective: Objective,
         chunk: Option<usize>,
         accum: usize,
     ) -> candle_core::Result<(Option<Grads>, MicroBatchLoss)> {
         let block = self.config.block_size;
+        let sequences = batch.sequences;
         let weight: f64 = sequences
             .iter()
-            .map(|(range, anchors)| self.loss_weight(&loss_mask[range.clone()], anchors, objective))
+            .map(|(range, anchors)| {
+                self.loss_weight(&batch.loss_mask[range.clone()], anchors, objective)
+            })
             .sum();
         let mut out = MicroBatchLoss {
             loss: 0.0,
@@ -748,17 +732,10 @@ impl Drafter {
             // Every sequence's anchors in one chunk: one graph for the micro-batch and one
             // backward pass (fewer, larger kernels than one pass per sequence).
             let mut total: Option<Tensor> = None;
-            for (range, anchors) in sequences {
-                let parts = self.loss_parts(
-                    &features.narrow(0, range.start, range.len())?,
-                    &tokens[range.clone()],
-                    &loss_mask[range.clone()],
-                    anchors,
-                    embedding,
-                    lm_head,
-                    objective,
-                )?;
-                out.anchors += anchors.len() as u32;
+            for i in 0..sequences.len() {
+                let (features, sequence) = batch.sequence(i)?;
+                let parts = self.loss_parts(&features, sequence, heads, objective)?;
+                out.anchors += sequence.anchors.len() as u32;
                 for (k, (c, n)) in parts.accuracy.into_iter().enumerate() {
                     out.correct[k] += c;
                     out.counted[k] += n;
@@ -777,20 +754,11 @@ impl Drafter {
         }
         let mut grads = None;
         let mut sum = 0.0;
-        for (range, anchors) in sequences {
-            let (g, parts) = self.backward(
-                &features.narrow(0, range.start, range.len())?,
-                &tokens[range.clone()],
-                &loss_mask[range.clone()],
-                anchors,
-                embedding,
-                lm_head,
-                objective,
-                scale,
-                chunk,
-            )?;
+        for i in 0..sequences.len() {
+            let (features, sequence) = batch.sequence(i)?;
+            let (g, parts) = self.backward(&features, sequence, heads, objective, scale, chunk)?;
             add_grads(&mut grads, g)?;
-            out.anchors += anchors.len() as u32;
+            out.anchors += sequence.anchors.len() as u32;
             sum += parts.sum;
             for (k, (c, n)) in parts.accuracy.into_iter().enumerate() {
                 out.correct[k] += c;
@@ -862,6 +830,18 @@ mod tests {
     };
     use crate::train::grads_of;
 
+    fn seq<'a>(tokens: &'a [u32], loss_mask: &'a [u8], anchors: &'a [usize]) -> Sequence<'a> {
+        Sequence {
+            tokens,
+            loss_mask,
+            anchors,
+        }
+    }
+
+    fn heads<'a>(embedding: &'a Tensor, lm_head: &'a Tensor) -> Heads<'a> {
+        Heads { embedding, lm_head }
+    }
+
     fn setup() -> (Drafter, Tensor, Tensor, Tensor, Vec<u32>, Vec<u8>) {
         let dev = Device::Cpu;
         let config = DrafterConfig {
@@ -904,11 +884,8 @@ mod tests {
         let (loss, acc) = drafter
             .loss(
                 &features,
-                &tokens,
-                &mask,
-                &[2, 5, 9],
-                &embedding,
-                &lm_head,
+                seq(&tokens, &mask, &[2, 5, 9]),
+                heads(&embedding, &lm_head),
                 DECAY7,
             )
             .unwrap();
@@ -958,7 +935,13 @@ mod tests {
         let b = drafter.config.block_size;
         let anchor = 6;
         let drafted = drafter
-            .draft(&pieces, tokens[anchor], anchor, b, &embedding, &lm_head)
+            .draft(
+                &pieces,
+                tokens[anchor],
+                anchor,
+                b,
+                heads(&embedding, &lm_head),
+            )
             .unwrap();
         let states = drafter
             .block_states(&whole, &[tokens[anchor]], &[anchor], b, &embedding)
@@ -975,7 +958,7 @@ mod tests {
         assert_eq!(drafted, want[1..].to_vec());
         assert!(
             drafter
-                .draft(&pieces, 1, 3, 1, &embedding, &lm_head)
+                .draft(&pieces, 1, 3, 1, heads(&embedding, &lm_head))
                 .unwrap()
                 .is_empty()
         );
@@ -999,7 +982,12 @@ mod tests {
         };
         let on = |toks: &[u32], f: &Tensor, o: Objective| {
             drafter
-                .loss_parts(f, toks, &mask, &anchors, &embedding, &lm_head, o)
+                .loss_parts(
+                    f,
+                    seq(toks, &mask, &anchors),
+                    heads(&embedding, &lm_head),
+                    o,
+                )
                 .unwrap()
                 .sum
                 .to_scalar::<f32>()
@@ -1069,11 +1057,8 @@ mod tests {
         let parts = drafter
             .loss_parts(
                 &with_teacher,
-                &tokens,
-                &mask,
-                &anchors,
-                &embedding,
-                &lm_head,
+                seq(&tokens, &mask, &anchors),
+                heads(&embedding, &lm_head),
                 objective(1.0),
             )
             .unwrap();
@@ -1120,7 +1105,12 @@ mod tests {
         let (drafter, features, embedding, lm_head, tokens, mask) = setup();
         let loss_of = |f: &Tensor| {
             drafter
-                .loss(f, &tokens, &mask, &[5], &embedding, &lm_head, UNIFORM)
+                .loss(
+                    f,
+                    seq(&tokens, &mask, &[5]),
+                    heads(&embedding, &lm_head),
+                    UNIFORM,
+                )
                 .unwrap()
                 .0
                 .to_scalar::<f32>()
@@ -1157,7 +1147,10 @@ mod tests {
             for anchors in [[2usize, 5], [4, 8]] {
                 let (loss, _) = drafter
                     .loss(
-                        &features, &tokens, &mask, &anchors, &embedding, &lm_head, DECAY7,
+                        &features,
+                        seq(&tokens, &mask, &anchors),
+                        heads(&embedding, &lm_head),
+                        DECAY7,
                     )
                     .unwrap();
                 losses.push(loss.to_scalar::<f32>().unwrap());
@@ -1190,7 +1183,10 @@ mod tests {
         // The reference: one graph, the mean's gradient.
         let (loss, _) = drafter
             .loss(
-                &features, &tokens, &mask, &anchors, &embedding, &lm_head, DECAY7,
+                &features,
+                seq(&tokens, &mask, &anchors),
+                heads(&embedding, &lm_head),
+                DECAY7,
             )
             .unwrap();
         let want = grads_of(&loss.backward().unwrap(), &vars);
@@ -1199,11 +1195,8 @@ mod tests {
             let (got, parts) = drafter
                 .backward(
                     &features,
-                    &tokens,
-                    &mask,
-                    &anchors,
-                    &embedding,
-                    &lm_head,
+                    seq(&tokens, &mask, &anchors),
+                    heads(&embedding, &lm_head),
                     DECAY7,
                     1.0 / weight,
                     chunk,
@@ -1233,11 +1226,8 @@ mod tests {
             let parts = drafter
                 .loss_parts(
                     &features.narrow(0, range.start, range.len()).unwrap(),
-                    &tokens[range.clone()],
-                    &mask[range.clone()],
-                    anchors,
-                    &embedding,
-                    &lm_head,
+                    seq(&tokens[range.clone()], &mask[range.clone()], anchors),
+                    heads(&embedding, &lm_head),
                     UNIFORM,
                 )
                 .unwrap();
@@ -1253,7 +1243,16 @@ mod tests {
         for chunk in [None, Some(2)] {
             let (got, batch) = drafter
                 .micro_batch(
-                    &features, &tokens, &mask, &sequences, &embedding, &lm_head, UNIFORM, chunk, 2,
+                    MicroBatch {
+                        features: &features,
+                        tokens: &tokens,
+                        loss_mask: &mask,
+                        sequences: &sequences,
+                    },
+                    heads(&embedding, &lm_head),
+                    UNIFORM,
+                    chunk,
+                    2,
                 )
                 .unwrap();
             assert_eq!(batch.anchors, 6);
@@ -1281,7 +1280,10 @@ mod tests {
         let anchors = [2usize, 5, 9];
         let (f32_loss, _) = drafter
             .loss(
-                &features, &tokens, &mask, &anchors, &embedding, &lm_head, UNIFORM,
+                &features,
+                seq(&tokens, &mask, &anchors),
+                heads(&embedding, &lm_head),
+                UNIFORM,
             )
             .unwrap();
         let bf = Drafter::new(drafter.config.clone(), 7, &Device::Cpu)
@@ -1291,11 +1293,8 @@ mod tests {
         let (bf_loss, _) = bf
             .loss(
                 &to_bf(&features),
-                &tokens,
-                &mask,
-                &anchors,
-                &to_bf(&embedding),
-                &to_bf(&lm_head),
+                seq(&tokens, &mask, &anchors),
+                heads(&to_bf(&embedding), &to_bf(&lm_head)),
                 UNIFORM,
             )
             .unwrap();
