@@ -254,8 +254,13 @@ impl Drafter {
 
     /// The sum of the loss weights of one sequence's blocks (what [`LossParts::weight`] will be),
     /// computed on the host before any block, so that chunks can be scaled by the batch total.
-    pub fn loss_weight(&self, loss_mask: &[u8], anchors: &[usize], objective: Objective) -> f64 {
-        let weights = block_weights(loss_mask, anchors, self.config.block_size, objective.gamma);
+    pub fn loss_weight(&self, sequence: Sequence, objective: Objective) -> f64 {
+        let weights = block_weights(
+            sequence.loss_mask,
+            sequence.anchors,
+            self.config.block_size,
+            objective.gamma,
+        );
         f64::from(weights.iter().sum::<f32>())
     }
 
@@ -678,16 +683,20 @@ pub struct MicroBatch<'a> {
 }
 
 impl<'a> MicroBatch<'a> {
-    /// Sequence `i`: its features' rows and the sequence itself.
-    fn sequence(&self, i: usize) -> candle_core::Result<(Tensor, Sequence<'a>)> {
+    /// Sequence `i`.
+    fn sequence(&self, i: usize) -> Sequence<'a> {
         let (range, anchors) = &self.sequences[i];
-        let features = self.features.narrow(0, range.start, range.len())?;
-        let sequence = Sequence {
+        Sequence {
             tokens: &self.tokens[range.clone()],
             loss_mask: &self.loss_mask[range.clone()],
             anchors,
-        };
-        Ok((features, sequence))
+        }
+    }
+
+    /// The features' rows of sequence `i`.
+    fn features(&self, i: usize) -> candle_core::Result<Tensor> {
+        let range = &self.sequences[i].0;
+        self.features.narrow(0, range.start, range.len())
     }
 }
 
@@ -707,11 +716,8 @@ impl Drafter {
     ) -> candle_core::Result<(Option<Grads>, MicroBatchLoss)> {
         let block = self.config.block_size;
         let sequences = batch.sequences;
-        let weight: f64 = sequences
-            .iter()
-            .map(|(range, anchors)| {
-                self.loss_weight(&batch.loss_mask[range.clone()], anchors, objective)
-            })
+        let weight: f64 = (0..sequences.len())
+            .map(|i| self.loss_weight(batch.sequence(i), objective))
             .sum();
         let mut out = MicroBatchLoss {
             loss: 0.0,
@@ -733,8 +739,8 @@ impl Drafter {
             // backward pass (fewer, larger kernels than one pass per sequence).
             let mut total: Option<Tensor> = None;
             for i in 0..sequences.len() {
-                let (features, sequence) = batch.sequence(i)?;
-                let parts = self.loss_parts(&features, sequence, heads, objective)?;
+                let sequence = batch.sequence(i);
+                let parts = self.loss_parts(&batch.features(i)?, sequence, heads, objective)?;
                 out.anchors += sequence.anchors.len() as u32;
                 for (k, (c, n)) in parts.accuracy.into_iter().enumerate() {
                     out.correct[k] += c;
@@ -755,7 +761,8 @@ impl Drafter {
         let mut grads = None;
         let mut sum = 0.0;
         for i in 0..sequences.len() {
-            let (features, sequence) = batch.sequence(i)?;
+            let sequence = batch.sequence(i);
+            let features = batch.features(i)?;
             let (g, parts) = self.backward(&features, sequence, heads, objective, scale, chunk)?;
             add_grads(&mut grads, g)?;
             out.anchors += sequence.anchors.len() as u32;
@@ -1190,7 +1197,7 @@ mod tests {
             )
             .unwrap();
         let want = grads_of(&loss.backward().unwrap(), &vars);
-        let weight = drafter.loss_weight(&mask, &anchors, DECAY7);
+        let weight = drafter.loss_weight(seq(&tokens, &mask, &anchors), DECAY7);
         for chunk in [None, Some(6), Some(4), Some(2), Some(1)] {
             let (got, parts) = drafter
                 .backward(
