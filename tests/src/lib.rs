@@ -7,6 +7,17 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+/// The planner's shape of the synthetic runtime tests (after `--synthetic N`): batches of up to
+/// 16,384 tokens, samples of up to 4,096, four automatic buckets.
+pub const SYNTHETIC_PLAN: [&str; 6] = [
+    "--token-budget",
+    "16384",
+    "--max-len",
+    "4096",
+    "--buckets",
+    "auto:4",
+];
+
 /// Path of a workspace binary built in the same profile as the running test
 /// (`target/<profile>/<name>`). The binaries must be built first: `cargo build --release --bins`.
 pub fn bin(name: &str) -> PathBuf {

@@ -9,20 +9,15 @@ use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
 use dflash_e2e::{
-    assert_clean, bin, finish, journal_events, orch, run_id, signal, status, wait_until, worker_pid,
+    SYNTHETIC_PLAN, assert_clean, bin, finish, journal_events, orch, run_id, signal, status,
+    wait_until, worker_pid,
 };
 
-const RUN_FLAGS: [&str; 14] = [
+const RUN_FLAGS: [&str; 8] = [
     "--gpus",
     "cpu:3",
     "--synthetic",
     "600",
-    "--token-budget",
-    "16384",
-    "--max-len",
-    "4096",
-    "--buckets",
-    "auto:4",
     "--epochs",
     "1",
     "--heartbeat-timeout",
@@ -33,6 +28,7 @@ fn launch(run_dir: &Path, extra: &[&str]) -> Command {
     let mut c = Command::new(bin("dflash-orch"));
     c.arg("launch")
         .args(RUN_FLAGS)
+        .args(SYNTHETIC_PLAN)
         .arg("--run-dir")
         .arg(run_dir)
         .args(extra)
@@ -373,7 +369,7 @@ fn a_full_disk_stops_the_run_cleanly_with_whole_journal_lines_and_it_resumes() {
     let script = format!(
         "mount -t tmpfs -o size=96k,mode=0700 tmpfs {m} && {bin} launch {flags} --run-dir {m}/run; echo \"rc=$?\"; cp -a {m}/run {o}",
         bin = bin("dflash-orch").display(),
-        flags = RUN_FLAGS.join(" "),
+        flags = [&RUN_FLAGS[..], &SYNTHETIC_PLAN].concat().join(" "),
         m = mnt.display(),
         o = moved.display(),
     );

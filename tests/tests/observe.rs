@@ -10,26 +10,17 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use dflash_e2e::{
-    bin, finish, journal_events, orch, script, status, stdout_ok, test_python, wait_until,
+    SYNTHETIC_PLAN, bin, finish, journal_events, orch, script, status, stdout_ok, test_python,
+    wait_until,
 };
 use serde_json::Value;
-
-const PLAN: [&str; 8] = [
-    "--synthetic",
-    "600",
-    "--token-budget",
-    "16384",
-    "--max-len",
-    "4096",
-    "--buckets",
-    "auto:4",
-];
 
 fn launch(run_dir: &Path, us_per_token: &str, extra: &[&str]) -> Command {
     let mut c = Command::new(bin("dflash-orch"));
     c.args(["launch", "--gpus", "cpu:3", "--epochs", "2", "--run-dir"])
         .arg(run_dir)
-        .args(PLAN)
+        .args(["--synthetic", "600"])
+        .args(SYNTHETIC_PLAN)
         .args(["--synthetic-us-per-token", us_per_token])
         .args(extra)
         .stdin(Stdio::null())

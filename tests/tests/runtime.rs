@@ -9,23 +9,14 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::Duration;
 
 use dflash_e2e::{
-    alive, assert_clean, assert_refused, bin, finish, journal_events, orch, signal, status,
-    stdout_ok, wait_until, worker_pid,
+    SYNTHETIC_PLAN, alive, assert_clean, assert_refused, bin, finish, journal_events, orch, signal,
+    status, stdout_ok, wait_until, worker_pid,
 };
 use serde_json::Value;
 
-const SAMPLES: &str = "1000";
-/// The planner flags of every run here, and of the plans they are checked against.
-const PLAN_FLAGS: [&str; 8] = [
-    "--synthetic",
-    SAMPLES,
-    "--token-budget",
-    "16384",
-    "--max-len",
-    "4096",
-    "--buckets",
-    "auto:4",
-];
+/// The workload of every run here, and of the plans they are checked against (with
+/// `SYNTHETIC_PLAN`).
+const SAMPLES: [&str; 2] = ["--synthetic", "1000"];
 
 fn launch_command(run_dir: &Path, us_per_token: &str, extra: &[&str]) -> Command {
     // `--crash-loop` is ours: a small restart budget.
@@ -33,7 +24,8 @@ fn launch_command(run_dir: &Path, us_per_token: &str, extra: &[&str]) -> Command
     let mut c = Command::new(bin("dflash-orch"));
     c.args(["launch", "--gpus", "cpu:3", "--run-dir"])
         .arg(run_dir)
-        .args(PLAN_FLAGS)
+        .args(SAMPLES)
+        .args(SYNTHETIC_PLAN)
         .args(["--epochs", "2"])
         .args(["--max-restarts", if crash_loop { "2" } else { "10" }])
         .args([
@@ -87,7 +79,8 @@ fn reference() -> Vec<(u64, u64, u64, u64, u64)> {
     for epoch in 0..2u64 {
         let epoch_text = epoch.to_string();
         let mut args = vec!["plan"];
-        args.extend(PLAN_FLAGS);
+        args.extend(SAMPLES);
+        args.extend(SYNTHETIC_PLAN);
         args.extend(["--epoch", &epoch_text, "--json"]);
         let plan: Value = serde_json::from_str(&stdout_ok(&orch(&args))).unwrap();
         let batches = plan["batches"].as_u64().unwrap();
