@@ -183,7 +183,7 @@ pub fn finish(child: Child) -> Output {
 pub fn test_python() -> PathBuf {
     let python = std::env::var_os("DFLASH_TEST_PYTHON")
         .map(PathBuf::from)
-        .unwrap_or_else(|| workspace_root().join(".venv-test/bin/python"));
+        .unwrap_or_else(|| workspace_root().join(".venv/bin/python"));
     assert!(
         python.exists(),
         "{} not found: run scripts/setup-test-env first (README's test command does)",

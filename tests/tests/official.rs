@@ -14,7 +14,7 @@ use serde_json::Value;
 fn official_python() -> PathBuf {
     let python = std::env::var_os("DFLASH_OFFICIAL_PYTHON")
         .map(PathBuf::from)
-        .unwrap_or_else(|| workspace_root().join(".venv-official/bin/python"));
+        .unwrap_or_else(|| workspace_root().join(".venv/bin/python"));
     assert!(
         python.exists(),
         "{} not found: run scripts/setup-test-env first (README's test command does)",
