@@ -13,6 +13,9 @@ use crate::dflash::{ModelDirError, Precision, Qwen3Config, Qwen3Shape};
 /// Version of [`EvalRequest`] and [`PromptResult`]; a worker refuses another.
 pub const EVAL_VERSION: u32 = 1;
 
+/// The largest `block_size` a drafter may have (and `eval --block-size` may ask for).
+pub const MAX_BLOCK_SIZE: usize = 1024;
+
 /// The fields of a DFlash drafter's `config.json` that decide how it runs, read the way the
 /// official `DFlashDraftModel` reads them: `block_size`, `mask_token_id` and `target_layer_ids`
 /// from `dflash_config`, else from the top level.
@@ -118,8 +121,52 @@ impl DraftConfig {
                     .into(),
             );
         }
-        if block_size < 2 {
-            return Err(format!("block_size {block_size} is below 2"));
+        // Every number has a range: a config changed by hand (or by an attacker) is refused
+        // here, not met as a giant allocation or a meaningless result in the decoder.
+        let ranges: [(&str, usize, usize, usize); 8] = [
+            ("block_size", block_size, 2, MAX_BLOCK_SIZE),
+            ("hidden_size", raw.hidden_size, 1, 1 << 16),
+            ("intermediate_size", raw.intermediate_size, 1, 1 << 20),
+            ("num_hidden_layers", raw.num_hidden_layers, 1, 1024),
+            ("num_attention_heads", heads, 1, 1024),
+            ("num_key_value_heads", raw.num_key_value_heads, 1, 1024),
+            ("head_dim", head_dim, 2, 1024),
+            ("vocab_size", raw.vocab_size, 1, 1 << 24),
+        ];
+        for (name, value, lo, hi) in ranges {
+            if !(lo..=hi).contains(&value) {
+                return Err(format!("{name} {value} is out of range ({lo} to {hi})"));
+            }
+        }
+        if let Some(n) = raw.num_target_layers
+            && !(1..=1024).contains(&n)
+        {
+            return Err(format!("num_target_layers {n} is out of range (1 to 1024)"));
+        }
+        if let Some(n) = raw.target_hidden_size
+            && !(1..=1 << 16).contains(&n)
+        {
+            return Err(format!(
+                "target_hidden_size {n} is out of range (1 to 65536)"
+            ));
+        }
+        if target_layer_ids.len() > 1024 {
+            return Err(format!(
+                "target_layer_ids names {} layers (at most 1024)",
+                target_layer_ids.len()
+            ));
+        }
+        let rope_theta = raw.rope_theta.unwrap_or(10_000.0);
+        if !(rope_theta.is_finite() && (1.0..=1e12).contains(&rope_theta)) {
+            return Err(format!(
+                "rope_theta {rope_theta} is out of range (1 to 1e12)"
+            ));
+        }
+        if raw.rms_norm_eps > 1.0 {
+            return Err(format!(
+                "rms_norm_eps {} is out of range (above 0, at most 1)",
+                raw.rms_norm_eps
+            ));
         }
         if target_layer_ids.is_empty() {
             return Err("target_layer_ids is empty".into());
@@ -137,7 +184,7 @@ impl DraftConfig {
                 kv_heads: raw.num_key_value_heads,
                 head_dim,
                 rms_eps: raw.rms_norm_eps,
-                rope_theta: raw.rope_theta.unwrap_or(10_000.0),
+                rope_theta,
             },
             block_size,
             mask_token_id,
@@ -299,7 +346,27 @@ mod tests {
             ),
             (
                 r#", "mask_token_id": 1, "target_layer_ids": [1], "block_size": 1"#,
-                "below 2",
+                "block_size 1 is out of range (2 to 1024)",
+            ),
+            (
+                r#", "mask_token_id": 1, "target_layer_ids": [1], "block_size": 1000000000"#,
+                "block_size 1000000000 is out of range",
+            ),
+            (
+                r#", "mask_token_id": 1, "target_layer_ids": [1], "rope_theta": 0"#,
+                "rope_theta 0 is out of range",
+            ),
+            (
+                r#", "mask_token_id": 1, "target_layer_ids": [1], "rope_theta": -5.5"#,
+                "rope_theta -5.5 is out of range",
+            ),
+            (
+                r#", "mask_token_id": 1, "target_layer_ids": [1], "num_target_layers": 0"#,
+                "num_target_layers 0 is out of range",
+            ),
+            (
+                r#", "mask_token_id": 1, "target_layer_ids": [1], "head_dim": 4096"#,
+                "head_dim 4096 is out of range",
             ),
         ] {
             let err = DraftConfig::parse(config(extra).as_bytes()).unwrap_err();

@@ -607,6 +607,11 @@ pub fn decoding(data: &[u8]) {
                 seed: 0,
                 stop_token_ids: Vec::new(),
                 dtype: "f32".into(),
+                input_hash: String::new(),
+                chat_template: "chatml".into(),
+                chat_template_hash: String::new(),
+                tokenizer_hash: None,
+                target_weights: None,
             };
             let _ = output::starting_point(&paths, &settings, true, false);
         }

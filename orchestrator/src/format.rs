@@ -133,9 +133,34 @@ pub fn utc(t: f64) -> String {
     )
 }
 
+/// Outside text (a server's body, a worker's last words) for an error message: at most `max`
+/// bytes of it, cut at a character boundary, saying how long the whole was.
+pub fn clip(text: &str, max: usize) -> String {
+    if text.len() <= max {
+        return text.to_owned();
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}… ({} bytes in all)", &text[..end], text.len())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn outside_text_is_clipped_at_a_character_boundary() {
+        assert_eq!(clip("short", 10), "short");
+        let long = "é".repeat(1000);
+        let c = clip(&long, 101);
+        assert!(
+            c.starts_with(&"é".repeat(50)) && c.ends_with("(2000 bytes in all)"),
+            "{c}"
+        );
+        assert!(c.len() < 140);
+    }
 
     #[test]
     fn numbers_read_compactly() {

@@ -65,6 +65,24 @@ fn parse_real(s: &str, lo: f64, hi: f64, unit: &str) -> Result<f64, String> {
     }
 }
 
+/// The range of every job deadline (`--job-timeout` of `launch`, `eval` and `generate`): 1 s to
+/// 7 days. One range wherever the option appears.
+pub const JOB_TIMEOUT_S: (f64, f64) = (1.0, 604_800.0);
+
+/// The range of every refresh or sampling interval (`top --interval`, `status --watch`,
+/// `launch --monitor-interval`): 0.05 s to 1 hour. Below it a watcher only burns CPU.
+pub const INTERVAL_S: (f64, f64) = (0.05, 3600.0);
+
+/// A job deadline in seconds, inside [`JOB_TIMEOUT_S`].
+pub fn job_timeout() -> impl TypedValueParser<Value = f64> {
+    real(JOB_TIMEOUT_S.0, JOB_TIMEOUT_S.1, " seconds")
+}
+
+/// A refresh interval in seconds, inside [`INTERVAL_S`].
+pub fn interval() -> impl TypedValueParser<Value = f64> {
+    real(INTERVAL_S.0, INTERVAL_S.1, " seconds")
+}
+
 /// `--job-timeout`: `auto` or seconds in `[lo, hi]`.
 pub fn seconds_or_auto(lo: f64, hi: f64) -> impl TypedValueParser<Value = JobTimeout> {
     clap::builder::StringValueParser::new().try_map(move |s: String| {

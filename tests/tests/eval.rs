@@ -2,10 +2,14 @@
 //! τ, the histogram, the speedup and a passed lossless check; a drafter made for another target
 //! and prompts the target cannot take are refused before any worker starts, naming the fault.
 
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
 
 use candle_core::Device;
-use dflash_e2e::{assert_refused, orch, stdout_ok};
+use dflash_e2e::{alive, assert_refused, bin, orch, signal, stdout_ok, wait_until};
 use dflash_worker::checkpoint;
 use dflash_worker::model::drafter::{Drafter, DrafterConfig};
 use dflash_worker::model::qwen3::read_config;
@@ -220,4 +224,311 @@ fn prompts_the_target_cannot_take_are_refused() {
         2,
         "--stop-token-ids: 900",
     );
+}
+
+/// A copy of the checkpoint whose model.safetensors has its header (the JSON table) and data
+/// edited by `edit`, as a damaged or tampered file would be.
+fn tampered(s: &Setup, name: &str, edit: impl FnOnce(&mut Value, &mut [u8])) -> PathBuf {
+    let dir = s.root.parent().unwrap().join(name);
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(s.drafter.join("config.json"), dir.join("config.json")).unwrap();
+    let bytes = std::fs::read(s.drafter.join("model.safetensors")).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let mut data = bytes[8 + n..].to_vec();
+    edit(&mut header, &mut data);
+    let mut text = header.to_string().into_bytes();
+    // The data starts 8-byte aligned, as the format asks.
+    text.resize(text.len().div_ceil(8) * 8, b' ');
+    let mut out = (text.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&text);
+    out.extend_from_slice(&data);
+    std::fs::write(dir.join("model.safetensors"), out).unwrap();
+    dir
+}
+
+/// Fills tensor `name`'s data with the f32 `value`.
+fn fill(header: &Value, data: &mut [u8], name: &str, value: f32) {
+    let offsets = &header[name]["data_offsets"];
+    let (a, b) = (
+        offsets[0].as_u64().unwrap() as usize,
+        offsets[1].as_u64().unwrap() as usize,
+    );
+    for chunk in data[a..b].chunks_exact_mut(4) {
+        chunk.copy_from_slice(&value.to_le_bytes());
+    }
+}
+
+#[test]
+fn a_damaged_checkpoint_is_refused_naming_the_fault_not_reported_as_lossless() {
+    let s = setup();
+    // A tensor relabelled I32 (the same bytes): refused before a worker starts.
+    let dir = tampered(&s, "i32", |h, _| h["fc.weight"]["dtype"] = "I32".into());
+    assert_refused(
+        &eval(&s, &dir, &["--max-new-tokens", "4"]),
+        2,
+        "tensor fc.weight has dtype I32",
+    );
+    let dir = tampered(&s, "u8", |h, _| {
+        h["norm.weight"]["dtype"] = "U8".into();
+        let offsets = h["norm.weight"]["data_offsets"].clone();
+        let a = offsets[0].as_u64().unwrap();
+        let shape = h["norm.weight"]["shape"].clone();
+        // Four times the elements in one byte each: the table still fits the data.
+        let n: u64 = shape
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d.as_u64().unwrap())
+            .product();
+        h["norm.weight"]["shape"] = serde_json::json!([n * 4]);
+        h["norm.weight"]["data_offsets"] = serde_json::json!([a, a + n * 4]);
+    });
+    assert_refused(
+        &eval(&s, &dir, &["--max-new-tokens", "4"]),
+        2,
+        "tensor norm.weight has dtype U8",
+    );
+    // Non-finite weights: the worker refuses them, naming the tensor.
+    for (name, tensor, value) in [
+        ("nan", "fc.weight", f32::NAN),
+        ("inf", "norm.weight", f32::INFINITY),
+        (
+            "neg-inf",
+            "layers.0.self_attn.q_proj.weight",
+            f32::NEG_INFINITY,
+        ),
+    ] {
+        let dir = tampered(&s, name, |h, d| fill(h, d, tensor, value));
+        let out = eval(&s, &dir, &["--max-new-tokens", "4"]);
+        assert_eq!(out.status.code(), Some(1), "{name}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains(&format!("tensor {tensor} holds non-finite values")),
+            "{name}: {err}"
+        );
+        assert!(!String::from_utf8_lossy(&out.stdout).contains("lossless"));
+    }
+    // Config numbers out of range.
+    for (name, edit, want) in [
+        (
+            "rope",
+            Box::new(|c: &mut Value| c["rope_theta"] = 0.into()) as Box<dyn FnOnce(&mut Value)>,
+            "rope_theta 0 is out of range",
+        ),
+        (
+            "block",
+            Box::new(|c: &mut Value| {
+                c["block_size"] = 1_000_000_000u64.into();
+                c["dflash_config"]["block_size"] = 1_000_000_000u64.into();
+            }),
+            "block_size 1000000000 is out of range",
+        ),
+        (
+            "eps",
+            Box::new(|c: &mut Value| c["rms_norm_eps"] = 5.into()),
+            "rms_norm_eps 5 is out of range",
+        ),
+        (
+            "heads",
+            Box::new(|c: &mut Value| {
+                c["num_attention_heads"] = 4096.into();
+                c["num_key_value_heads"] = 4096.into();
+            }),
+            "num_attention_heads 4096 is out of range",
+        ),
+    ] {
+        let dir = edited(&s, name, edit);
+        assert_refused(&eval(&s, &dir, &["--max-new-tokens", "4"]), 2, want);
+    }
+    assert_refused(
+        &eval(&s, &s.drafter, &["--stop-token-ids", "4294967295"]),
+        2,
+        "--stop-token-ids: 4294967295 is outside the target's vocabulary",
+    );
+}
+
+/// The pids of `parent`'s child processes.
+fn children(parent: u32) -> Vec<u32> {
+    std::fs::read_to_string(format!("/proc/{parent}/task/{parent}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect()
+}
+
+fn eval_child(s: &Setup, tmp: &Path, extra: &[&str]) -> std::process::Child {
+    let mut args = vec![
+        "eval",
+        "--target-model",
+        s.target.to_str().unwrap(),
+        "--drafter",
+        s.drafter.to_str().unwrap(),
+        "--prompts",
+        s.prompts.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    Command::new(bin("dflash-orch"))
+        .args(&args)
+        .env("TMPDIR", tmp)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// The eval worker of the `dflash-orch eval` process `parent`, once it runs.
+fn eval_worker(parent: u32) -> u32 {
+    let mut found = None;
+    wait_until("the eval worker", Duration::from_secs(30), || {
+        found = children(parent).into_iter().find(|&c| {
+            std::fs::read(format!("/proc/{c}/cmdline"))
+                .is_ok_and(|cmd| String::from_utf8_lossy(&cmd).contains("--eval"))
+        });
+        found.is_some()
+    });
+    found.unwrap()
+}
+
+#[test]
+fn a_stopped_eval_worker_is_killed_at_its_deadline_and_a_signal_ends_eval_at_once() {
+    let s = setup();
+    let tmp = tempfile::tempdir().unwrap();
+    // SIGSTOP: the worker is alive, silent and holds its pipes open.
+    let child = eval_child(
+        &s,
+        tmp.path(),
+        &[
+            "--max-new-tokens",
+            "2000",
+            "--ignore-eos",
+            "--job-timeout",
+            "2",
+        ],
+    );
+    let worker = eval_worker(child.id());
+    signal(worker as i32, "STOP");
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("gave no result for 2 s (--job-timeout)") && err.contains("killed"),
+        "{err}"
+    );
+    wait_until(
+        "the stopped worker to be gone",
+        Duration::from_secs(10),
+        || !alive(u64::from(worker)),
+    );
+
+    // The same, stopped, but interrupted: SIGINT and SIGTERM end eval at once (130), the worker
+    // killed, nothing left behind.
+    for sig in ["INT", "TERM"] {
+        let child = eval_child(
+            &s,
+            tmp.path(),
+            &["--max-new-tokens", "2000", "--ignore-eos"],
+        );
+        let worker = eval_worker(child.id());
+        signal(worker as i32, "STOP");
+        signal(child.id() as i32, sig);
+        let out = child.wait_with_output().unwrap();
+        assert_eq!(out.status.code(), Some(130), "{sig}");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("interrupted"),
+            "{sig}"
+        );
+        wait_until("the worker to be gone", Duration::from_secs(10), || {
+            !alive(u64::from(worker))
+        });
+    }
+    assert_eq!(
+        std::fs::read_dir(tmp.path()).unwrap().count(),
+        0,
+        "eval left files in its temporary directory"
+    );
+}
+
+#[test]
+fn eval_writes_no_request_file_and_follows_no_link_another_user_planted() {
+    let s = setup();
+    // A shared, sticky temporary directory where another user (nobody, uid 65534) plants links
+    // at every name an eval request had, pointing at a file only root may write.
+    let tmp = tempfile::tempdir().unwrap();
+    let shared = tmp.path().join("tmp");
+    std::fs::create_dir(&shared).unwrap();
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let victim = tmp.path().join("victim");
+    std::fs::write(&victim, "root's file\n").unwrap();
+    std::fs::set_permissions(&victim, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let root = {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0)
+    };
+    let last_pid: u32 = std::fs::read_to_string("/proc/sys/kernel/ns_last_pid")
+        .ok()
+        .and_then(|t| t.trim().parse().ok())
+        .unwrap_or(0);
+    if root {
+        // One `ln` per name, run as uid 65534, for the pids the next processes will take.
+        let mut script = String::new();
+        for pid in last_pid..last_pid + 400 {
+            for n in 0..2 {
+                script.push_str(&format!(
+                    "ln -s {} {}/dflash-eval-{pid}-{n}.json\n",
+                    victim.display(),
+                    shared.display()
+                ));
+            }
+        }
+        let planted = Command::new("sh")
+            .args(["-c", &script])
+            .uid(65534)
+            .gid(65534)
+            .status()
+            .unwrap();
+        assert!(planted.success());
+    } else {
+        eprintln!("not root: no other user can plant links here; checking no file is made");
+    }
+    let before: Vec<_> = std::fs::read_dir(&shared)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    let out = eval_child(&s, &shared, &["--max-new-tokens", "6"])
+        .wait_with_output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // A failed eval too (the worker refuses non-finite weights).
+    let nan = tampered(&s, "nan-planted", |h, d| fill(h, d, "fc.weight", f32::NAN));
+    let out = orch_in(&shared, &s, &nan);
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "root's file\n");
+    let after: Vec<_> = std::fs::read_dir(&shared)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(before.len(), after.len(), "eval created files in TMPDIR");
+}
+
+fn orch_in(tmp: &Path, s: &Setup, drafter: &Path) -> std::process::Output {
+    Command::new(bin("dflash-orch"))
+        .args([
+            "eval",
+            "--target-model",
+            s.target.to_str().unwrap(),
+            "--drafter",
+            drafter.to_str().unwrap(),
+            "--prompts",
+            s.prompts.to_str().unwrap(),
+            "--max-new-tokens",
+            "4",
+        ])
+        .env("TMPDIR", tmp)
+        .output()
+        .unwrap()
 }

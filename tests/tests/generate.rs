@@ -206,7 +206,7 @@ fn a_killed_generate_resumes_to_the_same_file() {
     let mut other = args.clone();
     other.extend(["--resume".into(), "--seed".into(), "7".into()]);
     let other: Vec<&str> = other.iter().map(String::as_str).collect();
-    assert_refused(&orch(&other), 2, "other settings (seed)");
+    assert_refused(&orch(&other), 2, "seed: recorded 0, now 7");
     let mut resumed_args = args.clone();
     resumed_args.push("--resume".into());
     resumed_args.push("--json".into());

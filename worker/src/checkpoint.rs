@@ -80,18 +80,38 @@ fn write_safetensors(path: &Path, tensors: &[(String, &[usize], &[f32])]) -> io:
 fn read_safetensors(path: &Path) -> io::Result<Vec<NamedTensor>> {
     let bytes = fs::read(path)?;
     let tensors = safetensors::SafeTensors::deserialize(&bytes).map_err(io::Error::other)?;
+    let bad = |what: String| {
+        io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("{}: {what}", path.display()),
+        )
+    };
     let mut out: Vec<NamedTensor> = tensors
         .tensors()
         .into_iter()
         .map(|(name, view)| {
-            let values = view
+            // Training state is written in f32 only: another dtype is a file changed by hand
+            // (or relabelled), whose bytes would be read as wrong numbers.
+            if view.dtype() != safetensors::Dtype::F32 {
+                return Err(bad(format!(
+                    "tensor {name} is {:?}, a checkpoint holds F32 only",
+                    view.dtype()
+                )));
+            }
+            let values: Vec<f32> = view
                 .data()
                 .chunks_exact(4)
                 .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
                 .collect();
-            (name, view.shape().to_vec(), values)
+            if let Some(i) = values.iter().position(|v| !v.is_finite()) {
+                return Err(bad(format!(
+                    "tensor {name} holds a non-finite value ({} at element {i})",
+                    values[i]
+                )));
+            }
+            Ok((name, view.shape().to_vec(), values))
         })
-        .collect();
+        .collect::<io::Result<_>>()?;
     out.sort_by(|a, b| a.0.cmp(&b.0));
     Ok(out)
 }

@@ -76,12 +76,14 @@ pub struct WorkerArgs {
     pub copy_bench: Option<u32>,
 
     /// Evaluate a drafter by speculative decoding (written by `dflash-orch eval`): decode the
-    /// request's prompts on this worker's device and print one JSON line per prompt.
+    /// request's prompts on this worker's device and print one JSON line per prompt. `-`
+    /// reads the request as one JSON line on stdin.
     #[arg(long, value_name = "REQUEST")]
     pub eval: Option<PathBuf>,
 
     /// Generate with the target (for `dflash-orch generate`): load the request's model, then
-    /// answer each batch of prompts read from stdin with one JSON line on stdout.
+    /// answer each batch of prompts read from stdin with one JSON line on stdout. `-` reads the
+    /// request as the first line on stdin.
     #[arg(long, value_name = "REQUEST", conflicts_with = "eval")]
     pub generate: Option<PathBuf>,
 

@@ -283,7 +283,29 @@ pub fn load_drafter_with(
                 ),
             ));
         }
-        p.var.set(&t.to_dtype(DType::F32)?)?;
+        if !matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16) {
+            return Err(invalid(
+                &path,
+                format!(
+                    "tensor {} is {:?}: a drafter's weights are F32, BF16 or F16",
+                    p.name,
+                    t.dtype()
+                ),
+            ));
+        }
+        let t = t.to_dtype(DType::F32)?;
+        // One reduction: a NaN or an infinity anywhere makes the sum of magnitudes non-finite.
+        let total = t.abs()?.sum_all()?.to_scalar::<f32>()?;
+        if !total.is_finite() {
+            return Err(invalid(
+                &path,
+                format!(
+                    "tensor {} holds non-finite values (NaN or infinity)",
+                    p.name
+                ),
+            ));
+        }
+        p.var.set(&t)?;
     }
     if let Some(extra) = tensors.keys().min() {
         return Err(invalid(
@@ -301,7 +323,15 @@ pub(crate) fn read_request<T: serde::de::DeserializeOwned>(
     version: impl Fn(&T) -> u32,
 ) -> Result<T, String> {
     use dflash_common::eval::EVAL_VERSION;
-    let text = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let text = if path == Path::new("-") {
+        // One JSON line on stdin: no request file anyone else could read or replace.
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut std::io::stdin().lock(), &mut line)
+            .map_err(|e| format!("cannot read the request on stdin: {e}"))?;
+        line.into_bytes()
+    } else {
+        std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?
+    };
     let req: T = serde_json::from_slice(&text).map_err(|e| format!("{}: {e}", path.display()))?;
     if version(&req) != EVAL_VERSION {
         return Err(format!(

@@ -535,11 +535,20 @@ pub fn run(args: DemoArgs) -> Result<(), CliError> {
     let before = served("[6/7]", Some(args.seed))?;
     let after = served("[7/7]", None)?;
     let lines = crate::observe::history::train_steps(&run_dir)?;
-    if lines.len() < 10 {
+    if lines.is_empty() {
         return Err(CliError::Failed(format!(
-            "the run recorded only {} optimiser steps",
-            lines.len()
+            "the run recorded no optimiser step in {}/metrics.jsonl",
+            run_dir.display()
         )));
+    }
+    if lines.len() < 10 {
+        // A small demo still shows its figures: the tenths are then single steps.
+        eprintln!(
+            "note       only {} optimiser steps (--samples {} --epochs {}): the first and last tenth below are single steps, so the training figures are noisy; a demo of --samples 500 or more gives a steadier picture",
+            lines.len(),
+            args.samples,
+            args.epochs
+        );
     }
     let tenth = (lines.len() / 10).max(1);
     let (first, last) = (&lines[..tenth], &lines[lines.len() - tenth..]);

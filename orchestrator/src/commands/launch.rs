@@ -72,7 +72,7 @@ pub struct LaunchArgs {
     /// driver call, a deadlock: heartbeats come from their own thread and stay fresh): the worker
     /// is killed and restarted and its batch handed out again. auto: the larger of 120 s and ten
     /// times the role's moving p95 job time. 1 to 604800 seconds, or auto.
-    #[arg(long, value_name = "SECS|auto", default_value = "auto", value_parser = options::seconds_or_auto(1.0, 604_800.0))]
+    #[arg(long, value_name = "SECS|auto", default_value = "auto", value_parser = options::seconds_or_auto(options::JOB_TIMEOUT_S.0, options::JOB_TIMEOUT_S.1))]
     pub job_timeout: options::JobTimeout,
 
     /// How long stopping workers may take (the drafter writes its final checkpoint: allow for its
@@ -82,7 +82,7 @@ pub struct LaunchArgs {
 
     /// Seconds between monitor readings: GPU power, utilization, memory, temperature, clocks and
     /// throttling through NVML, and every worker's CPU and memory; 0.05 to 3600.
-    #[arg(long, value_name = "SECS", default_value_t = 1.0, value_parser = options::real(0.05, 3600.0, " seconds"))]
+    #[arg(long, value_name = "SECS", default_value_t = 1.0, value_parser = options::interval())]
     pub monitor_interval: f64,
 
     /// Serve Prometheus metrics on GET /metrics at PORT (on 127.0.0.1) or HOST:PORT (port 0

@@ -35,6 +35,13 @@ pub fn run(args: RestartArgs) -> Result<(), CliError> {
         force: args.force,
     };
     let answer = control::request(&args.run_dir, &request).map_err(client_error)?;
-    eprintln!("restarting worker {}", answer["worker"]);
+    let Some(worker) = answer["worker"].as_u64() else {
+        return Err(CliError::Failed(format!(
+            "{} answered the restart without naming a worker: {}",
+            dflash_common::run_dir::control_socket(&args.run_dir).display(),
+            crate::format::clip(&answer.to_string(), 200)
+        )));
+    };
+    eprintln!("restarting worker {worker}");
     Ok(())
 }

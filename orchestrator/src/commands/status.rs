@@ -20,7 +20,7 @@ pub struct StatusArgs {
     pub json: bool,
 
     /// Refresh every SECS seconds until interrupted (0.05 to 3600).
-    #[arg(long, value_name = "SECS", value_parser = crate::options::real(0.05, 3600.0, " seconds"))]
+    #[arg(long, value_name = "SECS", value_parser = crate::options::interval())]
     pub watch: Option<f64>,
 }
 

@@ -85,6 +85,21 @@ impl Template {
         }
     }
 
+    /// The template as text (every role's header and the end of a turn): what its hash in a
+    /// generate's metadata identifies.
+    pub fn text(self) -> String {
+        let mut text = String::from(match self {
+            Template::ChatMl => "",
+            Template::Llama3 => "<|begin_of_text|>",
+        });
+        for role in [Role::System, Role::User, Role::Assistant] {
+            text.push_str(&self.header(role));
+            text.push_str("{content}");
+            text.push_str(self.end_token());
+        }
+        text
+    }
+
     /// The text that opens the assistant's turn: what a prompt ends with to ask for a reply.
     pub fn assistant_header(self) -> String {
         self.header(Role::Assistant)

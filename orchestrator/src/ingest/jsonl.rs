@@ -334,6 +334,7 @@ pub fn sniff(path: &Path) -> Result<super::Format, String> {
     let file = File::open(path).map_err(|e| format!("{}: cannot open: {e}", path.display()))?;
     let mut reader = BufReader::new(file);
     let mut line = Vec::new();
+    let mut number = 0usize;
     loop {
         line.clear();
         let n = reader
@@ -343,13 +344,24 @@ pub fn sniff(path: &Path) -> Result<super::Format, String> {
             // Empty: either reader reports it the same way.
             return Ok(super::Format::Jsonl);
         }
+        number += 1;
         if line.iter().all(u8::is_ascii_whitespace) {
             continue;
         }
         let value: serde_json::Value = match serde_json::from_slice(&line) {
             Ok(v) => v,
-            // Let the reader report the malformed line with its number.
-            Err(_) => return Ok(super::Format::Jsonl),
+            Err(_) => {
+                // Bytes that are not text say so, wherever they are: no format can read them.
+                if let Err(bad) = std::str::from_utf8(&line) {
+                    return Err(format!(
+                        "{}:{number}: invalid UTF-8 at byte {} of the line (JSON lines must be UTF-8 text)",
+                        path.display(),
+                        bad.valid_up_to() + 1
+                    ));
+                }
+                // Let the reader report the malformed line with its number.
+                return Ok(super::Format::Jsonl);
+            }
         };
         return if value.get("input_ids").is_some() {
             Ok(super::Format::Jsonl)

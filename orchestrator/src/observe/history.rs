@@ -1,6 +1,7 @@
 //! Reading what a run wrote: `metrics.jsonl` (format in docs/metrics.md) and `journal.jsonl`,
-//! for `report` and `demo`. A malformed line is an error naming the file and the line; a last
-//! line cut short (the run is live, or crashed mid-write) is ignored.
+//! for `report` and `demo`. A malformed line is skipped with a warning naming the file and the
+//! line (one bad record never hides the rest of a run); a last line cut short (the run is live,
+//! or crashed mid-write) is ignored.
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -140,6 +141,8 @@ pub struct Run {
     pub last: f64,
     pub lines: usize,
     pub torn_tail: bool,
+    /// The malformed lines skipped, each as `file:line: why`.
+    pub skipped: Vec<String>,
 }
 
 impl Run {
@@ -161,6 +164,7 @@ impl Run {
             last: f64::NEG_INFINITY,
             lines: 0,
             torn_tail: false,
+            skipped: Vec::new(),
         }
     }
 
@@ -281,8 +285,9 @@ impl Run {
 /// Reads a run's `metrics.jsonl` into the report's view of it.
 pub fn read_metrics(path: &Path) -> Result<Run, CliError> {
     let mut run = Run::new();
-    let torn = read_lines(path, |line: Line| run.add(line))?;
-    run.torn_tail = torn;
+    let read = read_lines(path, |line: Line| run.add(line))?;
+    run.torn_tail = read.torn_tail;
+    run.skipped = read.skipped;
     Ok(run)
 }
 
@@ -301,13 +306,23 @@ pub fn train_steps(run_dir: &Path) -> Result<Vec<Value>, CliError> {
     Ok(steps.into_values().collect())
 }
 
+/// What [`read_lines`] met besides the lines it gave on.
+#[derive(Debug, Default)]
+struct LinesRead {
+    /// The last line was cut short.
+    torn_tail: bool,
+    /// The malformed lines skipped, each as `file:line: why`.
+    skipped: Vec<String>,
+}
+
 /// Reads a JSON-lines file a run writes, giving each line to `each`. A malformed line (or one
-/// `each` refuses) is an error naming the file and the line; a last line cut short (no newline:
-/// the run is live or crashed mid-write) ends the reading, and the result says so.
+/// `each` refuses) is skipped with a warning naming the file and the line; a last line cut
+/// short (no newline: the run is live or crashed mid-write) ends the reading, and the result
+/// says so.
 fn read_lines<T: DeserializeOwned>(
     path: &Path,
     mut each: impl FnMut(T) -> Result<(), String>,
-) -> Result<bool, CliError> {
+) -> Result<LinesRead, CliError> {
     let file = File::open(path).map_err(|e| {
         if e.kind() == io::ErrorKind::NotFound {
             CliError::Invalid(format!(
@@ -321,30 +336,34 @@ fn read_lines<T: DeserializeOwned>(
     let mut reader = BufReader::with_capacity(1 << 20, file);
     let mut buf = Vec::new();
     let mut number = 0usize;
+    let mut read = LinesRead::default();
     loop {
         buf.clear();
         let n = reader
             .read_until(b'\n', &mut buf)
             .map_err(|e| CliError::io(format!("failed to read {}", path.display()), e))?;
         if n == 0 {
-            return Ok(false);
+            return Ok(read);
         }
         number += 1;
         let complete = buf.last() == Some(&b'\n');
         if buf.iter().all(u8::is_ascii_whitespace) {
             continue;
         }
-        let bad = |why: String| {
-            CliError::Invalid(format!(
-                "{}:{number}: malformed metrics line: {why}",
-                path.display()
-            ))
+        let why = match serde_json::from_slice(&buf) {
+            Ok(line) => match each(line) {
+                Ok(()) => continue,
+                Err(why) => why,
+            },
+            Err(_) if !complete => {
+                read.torn_tail = true;
+                return Ok(read);
+            }
+            Err(e) => e.to_string(),
         };
-        match serde_json::from_slice(&buf) {
-            Ok(line) => each(line).map_err(bad)?,
-            Err(_) if !complete => return Ok(true),
-            Err(e) => return Err(bad(e.to_string())),
-        }
+        let skipped = format!("{}:{number}: malformed line skipped: {why}", path.display());
+        tracing::warn!("{skipped}");
+        read.skipped.push(skipped);
     }
 }
 
@@ -445,8 +464,19 @@ mod tests {
         let steps = train_steps(dir.path()).unwrap();
         let losses: Vec<f64> = steps.iter().map(|v| v["loss"].as_f64().unwrap()).collect();
         assert_eq!(losses, [1.0, 3.0]);
-        std::fs::write(dir.path().join(metrics::FILE), "{\"kind\":\"train\"\n{}\n").unwrap();
-        let e = train_steps(dir.path()).unwrap_err().to_string();
-        assert!(e.contains("metrics.jsonl:1: malformed"), "{e}");
+        // Malformed lines (two records fused by an append to a cut line, a line of garbage) are
+        // skipped, and the lines around them kept.
+        std::fs::write(
+            dir.path().join(metrics::FILE),
+            "{\"kind\":\"train\",\"step\":1,\"loss\":1.0}\n{\"kind\":\"train\",\"st{\"kind\":\"gpu\"}\n\u{1}\u{2}garbage\n{\"kind\":\"train\",\"step\":2,\"loss\":2.0}\n",
+        )
+        .unwrap();
+        let steps = train_steps(dir.path()).unwrap();
+        assert_eq!(steps.len(), 2);
+        let run = read_metrics(&dir.path().join(metrics::FILE)).unwrap();
+        assert_eq!(run.skipped.len(), 2, "{:?}", run.skipped);
+        assert!(run.skipped[0].contains("metrics.jsonl:2: malformed line skipped"));
+        assert!(run.skipped[1].contains("metrics.jsonl:3:"));
+        assert_eq!(run.train.len(), 2);
     }
 }

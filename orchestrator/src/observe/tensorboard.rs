@@ -12,7 +12,6 @@
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, BufWriter, Write};
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -94,11 +93,7 @@ impl TbWriter {
             wall_time as u64,
             hostname()
         ));
-        let file = OpenOptions::new()
-            .create(true)
-            .append(true)
-            .custom_flags(nix::libc::O_NOFOLLOW)
-            .open(&path)?;
+        let file = crate::fsutil::open_own(&path, OpenOptions::new().create(true).append(true))?;
         let mut writer = TbWriter {
             out: BufWriter::new(file),
             path,

@@ -147,9 +147,28 @@ pub fn request(run_dir: &Path, request: &Request) -> Result<Value, ClientError> 
     let mut answer = Vec::new();
     BufReader::new((&stream).take(MAX_MESSAGE * 16))
         .read_until(b'\n', &mut answer)
-        .map_err(|e| ClientError::Io(format!("{}: {e}", path.display())))?;
-    let value: Value = serde_json::from_slice(&answer)
-        .map_err(|e| ClientError::Io(format!("bad answer from the run: {e}")))?;
+        .map_err(|e| match e.kind() {
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => ClientError::Io(format!(
+                "the run does not answer on {} (no answer within {} s): its orchestrator may be stopped or overloaded",
+                path.display(),
+                TIMEOUT.as_secs()
+            )),
+            _ => ClientError::Io(format!("{}: {e}", path.display())),
+        })?;
+    let value: Value = serde_json::from_slice(&answer).map_err(|e| {
+        ClientError::Io(format!(
+            "{} answered something that is not a control answer ({e}): {:?}",
+            path.display(),
+            crate::format::clip(&String::from_utf8_lossy(&answer), 200)
+        ))
+    })?;
+    if !value.is_object() {
+        return Err(ClientError::Io(format!(
+            "{} answered something that is not a control answer: {}",
+            path.display(),
+            crate::format::clip(&value.to_string(), 200)
+        )));
+    }
     if let Some(error) = value.get("error").and_then(Value::as_str) {
         return Err(ClientError::Refused(error.to_owned()));
     }

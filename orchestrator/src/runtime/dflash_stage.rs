@@ -102,7 +102,7 @@ pub(super) fn write_settings(
 }
 
 /// FNV-1a over `parts`, as 16 hex digits: an identity, not a defence against forgery.
-fn digest<'a>(parts: impl IntoIterator<Item = &'a [u8]>) -> String {
+pub(crate) fn digest<'a>(parts: impl IntoIterator<Item = &'a [u8]>) -> String {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for part in parts {
         // The length first, so the parts' boundaries count.
@@ -116,7 +116,7 @@ fn digest<'a>(parts: impl IntoIterator<Item = &'a [u8]>) -> String {
 
 /// The target's identity: its config.json and the header (names, dtypes, shapes, offsets) of
 /// each of its weight files, not the gigabytes of weights.
-fn target_identity(dir: &Path) -> Result<String, String> {
+pub(crate) fn target_identity(dir: &Path) -> Result<String, String> {
     let config = dir.join("config.json");
     let mut parts = vec![std::fs::read(&config).map_err(|e| format!("{}: {e}", config.display()))?];
     for file in dflash::weight_files(dir).map_err(|e| e.to_string())? {
@@ -129,6 +129,34 @@ fn target_identity(dir: &Path) -> Result<String, String> {
         );
         // The JSON table alone, as the identity has always been taken.
         parts.push(header[8..].to_vec());
+    }
+    Ok(digest(parts.iter().map(Vec::as_slice)))
+}
+
+/// A sample of the target's weights themselves: 16 slices of 4 KiB spread over each weight
+/// file's tensor data, and its length. Two models of one shape (re-initialised with another
+/// seed, fine-tuned, converted) differ here although their headers are the same; reading it
+/// costs a few hundred kilobytes, not the gigabytes.
+pub(crate) fn weights_sample(dir: &Path) -> Result<String, String> {
+    use std::io::{Read, Seek, SeekFrom};
+    const SLICES: u64 = 16;
+    const SLICE: u64 = 4096;
+    let mut parts: Vec<Vec<u8>> = Vec::new();
+    for file in dflash::weight_files(dir).map_err(|e| e.to_string())? {
+        let at = |e: std::io::Error| format!("{}: {e}", file.display());
+        let header = crate::model_dir::header_bytes(&file).map_err(|e| e.to_string())?;
+        let mut f = std::fs::File::open(&file).map_err(at)?;
+        let len = f.metadata().map_err(at)?.len();
+        let start = (header.len() as u64).min(len);
+        let span = len - start;
+        parts.push(len.to_le_bytes().to_vec());
+        for k in 0..SLICES {
+            let offset = start + span.saturating_sub(SLICE) * k / (SLICES - 1);
+            f.seek(SeekFrom::Start(offset)).map_err(at)?;
+            let mut buf = Vec::with_capacity(SLICE as usize);
+            (&mut f).take(SLICE).read_to_end(&mut buf).map_err(at)?;
+            parts.push(buf);
+        }
     }
     Ok(digest(parts.iter().map(Vec::as_slice)))
 }

@@ -10,7 +10,8 @@
 //! under the decoder.
 
 use std::path::{Path, PathBuf};
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
 use dflash_common::dflash::{DflashSettings, Precision};
@@ -82,7 +83,17 @@ pub struct Outcome {
     pub seconds: f64,
 }
 
-/// Evaluations of the run's checkpoints, one at a time, on threads of their own.
+/// The evaluation running on its thread.
+struct InFlight {
+    step: u64,
+    result: mpsc::Receiver<Result<Outcome, String>>,
+    /// Kills its worker and ends it.
+    stop: Arc<AtomicBool>,
+}
+
+/// Evaluations of the run's checkpoints, one at a time, on threads of their own. Nothing here
+/// blocks the run's loop: it keeps answering the control socket and signals while one runs, and
+/// a worker that stops answering is killed at its deadline.
 pub struct Evaluator {
     pub config: EvalConfig,
     prompts: Vec<Vec<u32>>,
@@ -92,7 +103,14 @@ pub struct Evaluator {
     stop_token_ids: Vec<u32>,
     dtype: Precision,
     gpu: Option<u32>,
-    in_flight: Option<(u64, mpsc::Receiver<Result<Outcome, String>>)>,
+    in_flight: Option<InFlight>,
+    /// `--job-timeout` (seconds per prompt); `None`: auto, the larger of 120 s and ten times the
+    /// slowest prompt of the evaluations so far.
+    job_timeout_s: Option<f64>,
+    /// Seconds per prompt of the slowest evaluation so far.
+    slowest_prompt_s: f64,
+    /// Set once the run is interrupted: the evaluation in flight is killed, no other starts.
+    cancelled: bool,
     /// The newest step evaluated or being evaluated.
     pub last_step: Option<u64>,
     /// The newest result.
@@ -106,6 +124,7 @@ impl Evaluator {
         run_dir: &Path,
         settings: &DflashSettings,
         gpu: Option<u32>,
+        job_timeout_s: Option<f64>,
     ) -> Result<Self, String> {
         Ok(Self {
             config,
@@ -117,6 +136,9 @@ impl Evaluator {
             dtype: settings.dtype,
             gpu,
             in_flight: None,
+            job_timeout_s,
+            slowest_prompt_s: 0.0,
+            cancelled: false,
             last_step: None,
             last: None,
         })
@@ -130,7 +152,7 @@ impl Evaluator {
     /// Starts evaluating the checkpoint of `step` (written or being written under
     /// `checkpoints`); one evaluation at a time: a step due while one runs is skipped.
     pub fn start(&mut self, step: u64, checkpoints: &Path) -> bool {
-        if self.in_flight.is_some() || self.last_step.is_some_and(|s| s >= step) {
+        if self.cancelled || self.in_flight.is_some() || self.last_step.is_some_and(|s| s >= step) {
             return false;
         }
         let (tx, rx) = mpsc::channel();
@@ -148,42 +170,65 @@ impl Evaluator {
         };
         let source = checkpoints.join(format!("step-{step}"));
         let gpu = self.gpu;
+        let deadline = Duration::from_secs_f64(
+            self.job_timeout_s
+                .unwrap_or_else(|| (10.0 * self.slowest_prompt_s).max(120.0)),
+        );
+        let stop = Arc::new(AtomicBool::new(false));
+        let stop_here = Arc::clone(&stop);
         let spawned = std::thread::Builder::new()
             .name(format!("eval-step-{step}"))
             .spawn(move || {
-                let _ = tx.send(evaluate(step, &source, &request, gpu));
+                let watch = crate::commands::eval::Watch {
+                    deadline,
+                    stop: &stop_here,
+                };
+                let _ = tx.send(evaluate(step, &source, &request, gpu, &watch));
             });
         if spawned.is_err() {
             return false;
         }
-        self.in_flight = Some((step, rx));
+        self.in_flight = Some(InFlight {
+            step,
+            result: rx,
+            stop,
+        });
         self.last_step = Some(step);
         true
     }
 
+    /// Whether an evaluation is running.
+    pub fn busy(&self) -> bool {
+        self.in_flight.is_some()
+    }
+
+    /// Kills the evaluation in flight (it ends as failed, "interrupted") and starts no other.
+    pub fn cancel(&mut self) {
+        self.cancelled = true;
+        if let Some(f) = &self.in_flight {
+            f.stop.store(true, Ordering::SeqCst);
+        }
+    }
+
+    /// Whether [`Evaluator::cancel`] was called.
+    pub fn cancelled(&self) -> bool {
+        self.cancelled
+    }
+
     /// The evaluation that finished since the last call, if one did.
     pub fn poll(&mut self) -> Option<(u64, Result<Outcome, String>)> {
-        let (step, rx) = self.in_flight.as_ref()?;
-        let step = *step;
-        let result = match rx.try_recv() {
+        let f = self.in_flight.as_ref()?;
+        let step = f.step;
+        let result = match f.result.try_recv() {
             Ok(r) => r,
             Err(mpsc::TryRecvError::Empty) => return None,
             Err(mpsc::TryRecvError::Disconnected) => Err("the evaluation thread died".into()),
         };
         self.in_flight = None;
         if let Ok(o) = &result {
-            self.last = Some(o.clone());
-        }
-        Some((step, result))
-    }
-
-    /// Waits for the evaluation in flight, if any.
-    pub fn wait(&mut self) -> Option<(u64, Result<Outcome, String>)> {
-        let (step, rx) = self.in_flight.take()?;
-        let result = rx
-            .recv()
-            .unwrap_or_else(|_| Err("the evaluation thread died".into()));
-        if let Ok(o) = &result {
+            self.slowest_prompt_s = self
+                .slowest_prompt_s
+                .max(o.seconds / o.prompts.max(1) as f64);
             self.last = Some(o.clone());
         }
         Some((step, result))
@@ -197,14 +242,19 @@ fn evaluate(
     source: &Path,
     request: &EvalRequest,
     gpu: Option<u32>,
+    watch: &crate::commands::eval::Watch<'_>,
 ) -> Result<Outcome, String> {
     let started = Instant::now();
     let files = ["config.json", "model.safetensors"];
     while !files.iter().all(|f| source.join(f).is_file()) {
-        if started.elapsed() > Duration::from_secs(3600) {
+        if watch.stop.load(Ordering::SeqCst) {
+            return Err("interrupted before the checkpoint was written".into());
+        }
+        if started.elapsed() > watch.deadline {
             return Err(format!(
-                "{} did not appear within an hour",
-                source.display()
+                "{} did not appear within {} s (--job-timeout)",
+                source.display(),
+                watch.deadline.as_secs_f64()
             ));
         }
         std::thread::sleep(Duration::from_millis(50));
@@ -220,7 +270,7 @@ fn evaluate(
     }
     // On CPUs, one thread: training keeps the rest.
     let threads = gpu.is_none().then_some(1);
-    let results = crate::commands::eval::run_worker(request, gpu, threads, |_| {});
+    let results = crate::commands::eval::run_worker(request, gpu, threads, watch, |_| {});
     // The links keep the checkpoint's space in use: gone once decoded.
     let _ = std::fs::remove_dir_all(target);
     let results = results.map_err(|e| e.to_string())?;

@@ -248,8 +248,15 @@ pub fn launch(
                 Device::Cpu(_) => None,
             });
             Some(
-                super::eval::Evaluator::new(eval.clone(), prompts, run_dir_path, settings, gpu)
-                    .map_err(RunError::Invalid)?,
+                super::eval::Evaluator::new(
+                    eval.clone(),
+                    prompts,
+                    run_dir_path,
+                    settings,
+                    gpu,
+                    config.job_timeout_s,
+                )
+                .map_err(RunError::Invalid)?,
             )
         }
         _ => None,
@@ -437,6 +444,14 @@ fn eval_prompts(
         .map(|(line, ids)| (format!("{}:{line}", file.display()), ids))
         .collect(),
         (None, Tokens::Store(store)) => {
+            let trainable = lengths.iter().filter(|&&l| l > 0).count();
+            if eval.holdout as usize >= trainable {
+                return Err(RunError::Invalid(format!(
+                    "--eval-holdout {}: the store has {trainable} samples to train on, and holding out {} leaves none; hold out fewer (the default is 32) or pass --eval-prompts FILE",
+                    eval.holdout,
+                    (eval.holdout as usize).min(store.len())
+                )));
+            }
             let held = super::eval::held_out(store.len(), eval.holdout as usize, seed);
             let mut prompts = Vec::with_capacity(held.len());
             for i in held {

@@ -6,7 +6,6 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
 use dflash_common::wire::TrainMetrics;
@@ -97,12 +96,22 @@ impl Metrics {
                 None
             }
         };
+        let path = run_dir.join(FILE);
+        let file = crate::fsutil::open_own(
+            &path,
+            OpenOptions::new().read(true).create(true).append(true),
+        )?;
+        // A line cut short (a full disk, a crash mid-write) is dropped: appending to it would
+        // fuse two records into one malformed line.
+        let dropped = crate::fsutil::cut_torn_tail(&file)?;
+        if dropped > 0 {
+            tracing::warn!(
+                "{}: dropped a last line cut short ({dropped} bytes) before appending",
+                path.display()
+            );
+        }
         Ok(Self {
-            file: OpenOptions::new()
-                .create(true)
-                .append(true)
-                .custom_flags(nix::libc::O_NOFOLLOW)
-                .open(run_dir.join(FILE))?,
+            file,
             tb,
             prom,
             group: Group::default(),

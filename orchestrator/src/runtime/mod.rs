@@ -10,7 +10,7 @@
 mod commit;
 mod config;
 pub mod control;
-mod dflash_stage;
+pub(crate) mod dflash_stage;
 pub mod dispatch;
 pub mod dry_run;
 pub mod eval;
@@ -254,6 +254,13 @@ impl Run {
                 );
                 self.stopping = Some(Outcome::Interrupted);
             }
+            if interrupts >= 1
+                && let Some(ev) = self.evaluator.as_mut()
+                && !ev.cancelled()
+            {
+                // An evaluation never holds up a stop: its worker is killed.
+                ev.cancel();
+            }
             if interrupts >= 2 && stop_deadline.is_none_or(|d| d > Instant::now()) {
                 // At once: the grace period is over.
                 stop_deadline = Some(Instant::now());
@@ -273,8 +280,12 @@ impl Run {
                 let deadline = *stop_deadline.get_or_insert_with(|| Instant::now() + grace);
                 self.wind_down(Instant::now() > deadline);
                 if self.workers.iter().all(|w| w.process.is_none()) {
-                    if outcome == Outcome::Completed && self.final_checkpoint_lost.is_none() {
-                        self.final_evaluation()?;
+                    if outcome == Outcome::Completed
+                        && self.final_checkpoint_lost.is_none()
+                        && !self.final_evaluation_done()
+                    {
+                        // The loop goes on meanwhile: control requests and signals are answered.
+                        continue;
                     }
                     self.progress(true);
                     self.metrics.flush();
@@ -338,31 +349,25 @@ impl Run {
     }
 
     /// At the end of a completed run: the evaluation in flight, then the final checkpoint's
-    /// when it was not evaluated yet.
-    fn final_evaluation(&mut self) -> Result<(), RunError> {
-        let Some(ev) = self.evaluator.as_mut() else {
-            return Ok(());
-        };
-        if let Some((step, result)) = ev.wait() {
-            self.evaluated(step, result)?;
-        }
+    /// when it was not evaluated yet. Never waits: true once there is nothing left to evaluate
+    /// (the loop polls the evaluator meanwhile).
+    fn final_evaluation_done(&mut self) -> bool {
         let final_step = self.metrics.last.as_ref().and_then(|m| m["step"].as_u64());
-        let (Some(step), Some(d), Some(ev)) = (
-            final_step,
-            self.config.dflash.as_ref(),
-            self.evaluator.as_mut(),
-        ) else {
-            return Ok(());
+        let (Some(ev), Some(d)) = (self.evaluator.as_mut(), self.config.dflash.as_ref()) else {
+            return true;
         };
-        if ev.start(step, &d.checkpoint_dir) {
+        if ev.busy() {
+            return false;
+        }
+        if let Some(step) = final_step
+            && ev.start(step, &d.checkpoint_dir)
+        {
             eprintln!(
                 "evaluating the final checkpoint (step {step}): served acceptance on the held-out prompts"
             );
-            if let Some((step, result)) = ev.wait() {
-                self.evaluated(step, result)?;
-            }
+            return false;
         }
-        Ok(())
+        true
     }
 
     fn journal_epoch(&mut self) -> Result<(), RunError> {

@@ -22,15 +22,16 @@ pub struct RunLock {
 pub fn lock_run_dir(dir: &Path) -> Result<RunLock, RunError> {
     use std::io::{Read, Seek, Write};
     let path = run_dir::lock(dir);
-    let mut file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .mode(0o600)
-        .custom_flags(nix::libc::O_NOFOLLOW)
-        .open(&path)
-        .map_err(|e| RunError::Invalid(format!("{}: {e}", path.display())))?;
+    let mut file = crate::fsutil::open_own(
+        &path,
+        OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600),
+    )
+    .map_err(|e| RunError::Invalid(format!("{}: {e}", path.display())))?;
     let mut holder = String::new();
     let _ = file.read_to_string(&mut holder);
     let mut lock = nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock)
@@ -160,6 +161,8 @@ pub(super) fn earlier_run(dir: &Path) -> Vec<String> {
 pub(super) struct Guard {
     dir: PathBuf,
     dir_created: bool,
+    /// The parents of the run directory this launch created, deepest first.
+    parents_created: Vec<PathBuf>,
     before: BTreeSet<std::ffi::OsString>,
     segments: Vec<PathBuf>,
     armed: bool,
@@ -168,6 +171,16 @@ pub(super) struct Guard {
 impl Guard {
     /// Creates the run directory if needed (owner-only) and remembers what it held.
     pub(super) fn new(dir: &Path, existed: bool) -> Result<Self, RunError> {
+        // The missing ancestors, so that a failed launch removes every directory it made.
+        let parents_created: Vec<PathBuf> = if existed {
+            Vec::new()
+        } else {
+            dir.ancestors()
+                .skip(1)
+                .take_while(|p| !p.as_os_str().is_empty() && std::fs::symlink_metadata(p).is_err())
+                .map(Path::to_path_buf)
+                .collect()
+        };
         if !existed {
             std::fs::DirBuilder::new()
                 .recursive(true)
@@ -183,6 +196,7 @@ impl Guard {
         Ok(Self {
             dir: dir.to_path_buf(),
             dir_created: !existed,
+            parents_created,
             before,
             segments: Vec::new(),
             armed: true,
@@ -209,6 +223,12 @@ impl Drop for Guard {
         }
         if self.dir_created {
             let _ = std::fs::remove_dir_all(&self.dir);
+            // Only directories still empty: never what someone else put there meanwhile.
+            for parent in &self.parents_created {
+                if std::fs::remove_dir(parent).is_err() {
+                    break;
+                }
+            }
             return;
         }
         let Ok(entries) = std::fs::read_dir(&self.dir) else {

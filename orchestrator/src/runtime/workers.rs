@@ -3,7 +3,6 @@
 //! on a thread of its own, which a dummy connection unblocks if the child dies first).
 
 use std::fs::OpenOptions;
-use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -109,11 +108,10 @@ pub fn spawn(
     to_loop: &mpsc::Sender<Input>,
 ) -> std::io::Result<Process> {
     let (server, name) = IpcOneShotServer::<Hello>::new()?;
-    let log = OpenOptions::new()
-        .create(true)
-        .append(true)
-        .custom_flags(nix::libc::O_NOFOLLOW)
-        .open(launch.log_dir.join(format!("worker-{id}.log")))?;
+    let log = crate::fsutil::open_own(
+        &launch.log_dir.join(format!("worker-{id}.log")),
+        OpenOptions::new().create(true).append(true),
+    )?;
     let mut command = Command::new(&launch.binary);
     command
         .args([

@@ -9,9 +9,12 @@
 //! prompt; [`summarize`] turns those lines into τ, the histogram, the speedup and the lossless
 //! check.
 
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
 
 use clap::Args;
 use dflash_common::dflash::{Precision, Qwen3Config};
@@ -99,6 +102,12 @@ pub struct EvalArgs {
     /// Weights and activations: auto (bf16 on a GPU, f32 on the CPU), f32 or bf16.
     #[arg(long, value_name = "TYPE", default_value = "auto", value_parser = crate::options::dtype_choice())]
     pub dtype: DtypeChoice,
+
+    /// Seconds the worker may take for one prompt (the first includes loading the models)
+    /// before it is taken for hung (stopped, wedged) and killed, failing the command; 1 to 604800.
+    #[arg(long, value_name = "SECS", default_value_t = 3600.0,
+          value_parser = crate::options::job_timeout())]
+    pub job_timeout: f64,
 
     /// Print one JSON object on stdout.
     #[arg(long)]
@@ -371,6 +380,17 @@ pub fn check_prompt(
     Ok(())
 }
 
+/// Refuses stop tokens outside the target's vocabulary (given, or read from its configs).
+pub fn check_stop_tokens(ids: &[u32], target: &Qwen3Config) -> Result<(), String> {
+    match ids.iter().find(|&&t| t as usize >= target.vocab_size) {
+        Some(bad) => Err(format!(
+            "--stop-token-ids: {bad} is outside the target's vocabulary (0..{})",
+            target.vocab_size
+        )),
+        None => Ok(()),
+    }
+}
+
 /// [`check_prompt`] for every prompt of a file, named by its line.
 pub fn check_prompts(
     prompts: &[(usize, Vec<u32>)],
@@ -388,31 +408,48 @@ pub fn check_prompts(
     })
 }
 
+/// How a decoding worker is watched while it runs.
+pub struct Watch<'a> {
+    /// The longest wait for the next result (the first includes loading the models): past it the
+    /// worker is taken for hung (stopped, wedged) and killed.
+    pub deadline: Duration,
+    /// Set by a stop signal (or the run winding down): the worker is killed and the evaluation
+    /// ends as interrupted.
+    pub stop: &'a AtomicBool,
+}
+
+/// What the eval worker's reader threads report.
+enum Heard {
+    Line(String),
+    Closed,
+}
+
+/// The most of a worker's stderr kept for its error message.
+const STDERR_KEPT: usize = 16 * 1024;
+
 /// Runs `dflash-worker --eval` on `request` (on `gpu`, else the CPU with `threads` compute
-/// threads, or as many as it has) and collects its lines; `progress` sees each.
+/// threads, or as many as it has) and collects its lines; `progress` sees each. The request
+/// travels on the worker's stdin, so no request file exists for anyone to read or replace. A
+/// worker that gives no result within `watch.deadline` is killed and the evaluation fails with
+/// the reason; `watch.stop` kills it at once.
 pub fn run_worker(
     request: &EvalRequest,
     gpu: Option<u32>,
     threads: Option<usize>,
+    watch: &Watch<'_>,
     mut progress: impl FnMut(&PromptResult),
 ) -> Result<Vec<PromptResult>, CliError> {
-    let file = tempfile_path();
-    std::fs::write(
-        &file,
-        serde_json::to_vec(request).map_err(|e| CliError::Failed(e.to_string()))?,
-    )
-    .map_err(|e| CliError::io(format!("cannot write {}", file.display()), e))?;
-    let _remove = RemoveOnDrop(file.clone());
+    let mut line = serde_json::to_string(request).map_err(|e| CliError::Failed(e.to_string()))?;
+    line.push('\n');
     let binary = crate::runtime::workers::worker_binary();
     let mut command = Command::new(&binary);
     command
-        .arg("--eval")
-        .arg(&file)
+        .args(["--eval", "-"])
         .env(
             "CUDA_VISIBLE_DEVICES",
             gpu.map(|g| g.to_string()).unwrap_or_default(),
         )
-        .stdin(Stdio::null())
+        .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     if let Some(n) = threads {
@@ -422,31 +459,99 @@ pub fn run_worker(
     let mut child = command
         .spawn()
         .map_err(|e| CliError::io(format!("cannot start {}", binary.display()), e))?;
+    // From here the child is killed on every early return.
+    let mut worker = KillOnDrop(Some(child.id()));
+    let mut stdin = child.stdin.take().expect("piped");
+    let writer = std::thread::spawn(move || {
+        // The request may be larger than the pipe: written on a thread of its own, so a worker
+        // that never reads it cannot block this one. Closed when done.
+        let _ = stdin.write_all(line.as_bytes());
+    });
     let mut stderr = child.stderr.take().expect("piped");
     let errors = std::thread::spawn(move || {
-        let mut text = String::new();
-        let _ = stderr.read_to_string(&mut text);
-        text
+        // Its last words, bounded: a worker that prints without end costs no memory.
+        let mut kept: Vec<u8> = Vec::new();
+        let mut buf = [0u8; 8192];
+        while let Ok(n) = stderr.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            kept.extend_from_slice(&buf[..n]);
+            if kept.len() > 2 * STDERR_KEPT {
+                kept.drain(..kept.len() - STDERR_KEPT);
+            }
+        }
+        String::from_utf8_lossy(&kept).into_owned()
+    });
+    let (tx, rx) = mpsc::channel();
+    let stdout = BufReader::new(child.stdout.take().expect("piped"));
+    std::thread::spawn(move || {
+        for line in stdout.lines() {
+            let Ok(line) = line else { break };
+            if tx.send(Heard::Line(line)).is_err() {
+                return;
+            }
+        }
+        let _ = tx.send(Heard::Closed);
     });
     let mut results = Vec::with_capacity(request.prompts.len());
-    let stdout = BufReader::new(child.stdout.take().expect("piped"));
-    for line in stdout.lines() {
-        let line = line.map_err(|e| CliError::io("cannot read the eval worker's output", e))?;
-        let result: PromptResult = serde_json::from_str(&line)
-            .map_err(|e| CliError::Failed(format!("the eval worker printed {line:?}: {e}")))?;
-        if result.prompt != results.len() {
-            return Err(CliError::Failed(format!(
-                "the eval worker answered prompt {} where {} was due",
-                result.prompt,
-                results.len()
+    let mut since = Instant::now();
+    let stop_child = |child: &mut std::process::Child, worker: &mut KillOnDrop| {
+        let _ = child.kill();
+        let _ = child.wait();
+        worker.0 = None;
+    };
+    loop {
+        match rx.recv_timeout(Duration::from_millis(50)) {
+            Ok(Heard::Line(line)) => {
+                let result: PromptResult = match serde_json::from_str(&line) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        stop_child(&mut child, &mut worker);
+                        return Err(CliError::Failed(format!(
+                            "the eval worker printed {:?}: {e}",
+                            crate::format::clip(&line, 200)
+                        )));
+                    }
+                };
+                if result.prompt != results.len() {
+                    stop_child(&mut child, &mut worker);
+                    return Err(CliError::Failed(format!(
+                        "the eval worker answered prompt {} where {} was due",
+                        result.prompt,
+                        results.len()
+                    )));
+                }
+                progress(&result);
+                results.push(result);
+                since = Instant::now();
+            }
+            Ok(Heard::Closed) | Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+        }
+        if watch.stop.load(Ordering::SeqCst) {
+            stop_child(&mut child, &mut worker);
+            return Err(CliError::Interrupted(format!(
+                "the evaluation stopped after {} of {} prompts",
+                results.len(),
+                request.prompts.len()
             )));
         }
-        progress(&result);
-        results.push(result);
+        if since.elapsed() > watch.deadline {
+            stop_child(&mut child, &mut worker);
+            return Err(CliError::Failed(format!(
+                "the eval worker gave no result for {} s (--job-timeout), after {} of {} prompts: taken for hung (stopped or wedged) and killed",
+                watch.deadline.as_secs_f64(),
+                results.len(),
+                request.prompts.len()
+            )));
+        }
     }
     let status = child
         .wait()
         .map_err(|e| CliError::io("cannot wait for the eval worker", e))?;
+    worker.0 = None;
+    let _ = writer.join();
     let errors = errors.join().unwrap_or_default();
     if !status.success() || results.len() != request.prompts.len() {
         let last = errors
@@ -456,28 +561,25 @@ pub fn run_worker(
             .unwrap_or("")
             .trim_start_matches("error: ");
         return Err(CliError::Failed(format!(
-            "the eval worker failed ({}): {last}",
-            crate::runtime::workers::exit_reason(status)
+            "the eval worker failed ({}): {}",
+            crate::runtime::workers::exit_reason(status),
+            crate::format::clip(last, 400)
         )));
     }
     Ok(results)
 }
 
-fn tempfile_path() -> PathBuf {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    std::env::temp_dir().join(format!(
-        "dflash-eval-{}-{}.json",
-        std::process::id(),
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    ))
-}
+/// Kills the process of this pid when dropped (an early return, a panic), unless taken.
+struct KillOnDrop(Option<u32>);
 
-struct RemoveOnDrop(PathBuf);
-
-impl Drop for RemoveOnDrop {
+impl Drop for KillOnDrop {
     fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
+        if let Some(pid) = self.0.take() {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid as i32),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
     }
 }
 
@@ -498,12 +600,15 @@ pub fn prepare(args: &EvalArgs) -> Result<Prepared, CliError> {
     draft
         .check_target(&target)
         .map_err(|e| invalid(format!("--drafter {}: {e}", drafter.display())))?;
-    if !drafter.join("model.safetensors").is_file() {
+    let weights = drafter.join("model.safetensors");
+    if !weights.is_file() {
         return Err(invalid(format!(
             "--drafter {}: has no model.safetensors",
             drafter.display()
         )));
     }
+    // The table, before a worker starts: float tensors only (the worker checks the values).
+    crate::model_dir::tensor_shapes(&weights).map_err(|e| invalid(format!("--drafter {e}")))?;
     let tokenizer = args
         .tokenizer
         .clone()
@@ -524,15 +629,7 @@ pub fn prepare(args: &EvalArgs) -> Result<Prepared, CliError> {
     } else {
         eos_tokens(&args.target_model).map_err(invalid)?
     };
-    if let Some(bad) = stop_token_ids
-        .iter()
-        .find(|&&t| t as usize >= target.vocab_size)
-    {
-        return Err(invalid(format!(
-            "--stop-token-ids: {bad} is outside the target's vocabulary (0..{})",
-            target.vocab_size
-        )));
-    }
+    check_stop_tokens(&stop_token_ids, &target).map_err(invalid)?;
     let dtype = args.dtype.resolve(args.gpu.is_some());
     let (lines, prompts): (Vec<usize>, Vec<Vec<u32>>) = prompts.into_iter().unzip();
     Ok(Prepared {
@@ -556,6 +653,7 @@ pub fn prepare(args: &EvalArgs) -> Result<Prepared, CliError> {
 pub fn evaluate(
     prepared: &Prepared,
     gpu: Option<u32>,
+    watch: &Watch<'_>,
     quiet: bool,
 ) -> Result<EvalSummary, CliError> {
     let req = &prepared.request;
@@ -574,7 +672,7 @@ pub fn evaluate(
         .expect("valid template"),
     );
     let mut gained = (0u64, 0u64);
-    let results = run_worker(req, gpu, None, |r| {
+    let results = run_worker(req, gpu, None, watch, |r| {
         gained.0 += r.acceptance.iter().map(|&a| u64::from(a)).sum::<u64>();
         gained.1 += r.acceptance.len() as u64;
         bar.set_message(format!(
@@ -648,7 +746,13 @@ pub fn render(s: &EvalSummary) -> String {
 
 pub fn run(args: EvalArgs) -> Result<(), CliError> {
     let prepared = prepare(&args)?;
-    let summary = evaluate(&prepared, args.gpu, args.json)?;
+    // Side effects from here on: a stop signal kills the worker and ends the command cleanly.
+    let stop = crate::signals::watch_stop_signals();
+    let watch = Watch {
+        deadline: Duration::from_secs_f64(args.job_timeout),
+        stop: &stop,
+    };
+    let summary = evaluate(&prepared, args.gpu, &watch, args.json)?;
     crate::commands::print_result(args.json, &summary, || render(&summary))
 }
 

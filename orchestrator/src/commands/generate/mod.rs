@@ -17,6 +17,8 @@ pub mod server;
 
 use std::collections::VecDeque;
 use std::path::PathBuf;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
 use clap::Args;
@@ -114,10 +116,10 @@ pub struct GenerateArgs {
     pub concurrency: u32,
 
     /// Seconds one batch (or one server request) may take before its worker is restarted and
-    /// the batch redone (or the request fails).
-    #[arg(long, value_name = "SECS", default_value_t = 3600,
-          value_parser = clap::value_parser!(u64).range(1..))]
-    pub job_timeout: u64,
+    /// the batch redone (or the request fails); 1 to 604800.
+    #[arg(long, value_name = "SECS", default_value_t = 3600.0,
+          value_parser = crate::options::job_timeout())]
+    pub job_timeout: f64,
 
     /// Continue the interrupted generate of this --output.
     #[arg(long)]
@@ -270,6 +272,8 @@ pub struct Summary {
     pub seconds: f64,
     pub tokens_per_second: f64,
     pub producer: String,
+    /// Server replies cut to --max-new-tokens tokens.
+    pub replies_cut: u64,
 }
 
 fn invalid(message: impl Into<String>) -> CliError {
@@ -293,20 +297,21 @@ pub fn run(args: GenerateArgs) -> Result<(), CliError> {
     let template = args.chat_template;
     // Read once: it renders conversations and decodes responses (Qwen3's is 11 MB of JSON).
     let tokenizer = if tokenizer_path.is_file() {
-        Some(load_tokenizer(&tokenizer_path).map_err(invalid)?)
+        Some(Arc::new(load_tokenizer(&tokenizer_path).map_err(invalid)?))
     } else {
         None
     };
     let make_encoder = || {
         let tok = match &tokenizer {
-            Some(t) => t.clone(),
+            Some(t) => Tokenizer::clone(t),
             None => load_tokenizer(&tokenizer_path)?,
         };
         ChatEncoder::new(tok, &tokenizer_path, template)
     };
-    let items = read_items(&args.inputs, args.format, make_encoder).map_err(invalid)?;
+    let items = Arc::new(read_items(&args.inputs, args.format, make_encoder).map_err(invalid)?);
+    let context = target.max_position_embeddings;
     let max_new = args.max_new_tokens as usize;
-    for item in &items {
+    for item in items.iter() {
         crate::commands::eval::check_prompt(&item.source, &item.prompt, &target, max_new)
             .map_err(invalid)?;
     }
@@ -314,12 +319,13 @@ pub fn run(args: GenerateArgs) -> Result<(), CliError> {
         Some(ids) => ids.clone(),
         None => crate::commands::eval::eos_tokens(&args.target_model).map_err(invalid)?,
     };
+    crate::commands::eval::check_stop_tokens(&stop_token_ids, &target).map_err(invalid)?;
     let server = match &args.server {
         Some(url) => Some(
             server::Server::connect(
                 url,
                 args.server_model.as_deref(),
-                Duration::from_secs(args.job_timeout),
+                Duration::from_secs_f64(args.job_timeout),
             )
             .map_err(invalid)?,
         ),
@@ -346,6 +352,22 @@ pub fn run(args: GenerateArgs) -> Result<(), CliError> {
     let dtype = args.dtype.resolve(gpu);
     let batch = args.batch_size as u64;
     let rows = items.len() as u64;
+    // What determines the rows, so that a resume never mixes two of them.
+    let input_hash = hash_inputs(&args.inputs, args.format).map_err(invalid)?;
+    let tokenizer_hash = if tokenizer_path.is_file() {
+        Some(hash_files(std::slice::from_ref(&tokenizer_path)).map_err(invalid)?)
+    } else {
+        None
+    };
+    let target_weights = if server.is_some() {
+        None
+    } else {
+        let identity = crate::runtime::dflash_stage::target_identity(&args.target_model)
+            .map_err(|e| invalid(format!("--target-model {e}")))?;
+        let sample = crate::runtime::dflash_stage::weights_sample(&args.target_model)
+            .map_err(|e| invalid(format!("--target-model {e}")))?;
+        Some(format!("{identity}-{sample}"))
+    };
     let settings = output::Settings {
         producer: if server.is_some() { "server" } else { "target" }.into(),
         target_model: Some(args.target_model.display().to_string()),
@@ -363,6 +385,11 @@ pub fn run(args: GenerateArgs) -> Result<(), CliError> {
         seed: args.seed,
         stop_token_ids: stop_token_ids.clone(),
         dtype: dtype.name().into(),
+        input_hash,
+        chat_template: template.name().into(),
+        chat_template_hash: crate::runtime::dflash_stage::digest([template.text().as_bytes()]),
+        tokenizer_hash,
+        target_weights,
     };
     let paths = output::Paths::of(&args.output);
     let from =
@@ -391,10 +418,23 @@ pub fn run(args: GenerateArgs) -> Result<(), CliError> {
     let mut generated = 0u64;
     let range = |b: u64| (b * batch) as usize..((b + 1) * batch).min(rows) as usize;
     let mut commit = |b: u64, outputs: Vec<Vec<u32>>| -> Result<(), String> {
+        let first_row = range(b).start;
+        for (k, (item, out)) in items[range(b)].iter().zip(&outputs).enumerate() {
+            let len = item.prompt.len() + out.len();
+            if let Some(context) = context
+                && len > context
+            {
+                return Err(format!(
+                    "row {} ({}): {len} tokens (prompt and response) exceed the target's context of {context} tokens",
+                    first_row + k + 1,
+                    item.source
+                ));
+            }
+        }
         let rendered: Vec<String> = items[range(b)]
             .iter()
             .zip(&outputs)
-            .map(|(item, out)| render_row(item, out, tokenizer.as_ref()))
+            .map(|(item, out)| render_row(item, out, tokenizer.as_deref()))
             .collect();
         writer
             .commit(&rendered)
@@ -407,45 +447,47 @@ pub fn run(args: GenerateArgs) -> Result<(), CliError> {
         ));
         Ok(())
     };
-    let complete = match &server {
+    let replies_cut = Arc::new(AtomicU64::new(0));
+    let complete = match server {
         Some(server) => {
-            let encoder = if items.iter().any(|i| i.turns.is_some()) {
-                Some(make_encoder().map_err(invalid)?)
-            } else {
-                None
-            };
-            let ask = |item: &Item| -> Result<Vec<u32>, String> {
-                let tok = tokenizer.as_ref().expect("checked above");
-                let (reply, end) = match &item.turns {
-                    Some(turns) => (
-                        server.chat(turns, max_new, args.temperature, args.seed)?,
-                        encoder.as_ref().and_then(ChatEncoder::end_token_id),
-                    ),
-                    None => (
-                        server.complete(&item.prompt, max_new, args.temperature, args.seed)?,
-                        stop_token_ids.first().copied(),
-                    ),
-                };
-                let mut ids = tok
-                    .encode(reply.text.as_str(), false)
-                    .map_err(|e| format!("{}: tokenizer failed: {e}", item.source))?
-                    .get_ids()
-                    .to_vec();
-                if reply.finished
-                    && let Some(end) = end
-                {
-                    ids.push(end);
-                }
-                Ok(ids)
-            };
+            let asker = Arc::new(Asker {
+                server,
+                tokenizer: Arc::clone(tokenizer.as_ref().expect("checked above")),
+                encoder: if items.iter().any(|i| i.turns.is_some()) {
+                    Some(make_encoder().map_err(invalid)?)
+                } else {
+                    None
+                },
+                stop_token: stop_token_ids.first().copied(),
+                max_new,
+                temperature: args.temperature,
+                seed: args.seed,
+                cut: Arc::clone(&replies_cut),
+            });
+            let concurrency = args.concurrency as usize;
             let mut done = true;
-            for b in first..batches {
-                if interrupted.load(std::sync::atomic::Ordering::SeqCst) {
-                    done = false;
-                    break;
-                }
-                let outputs = ask_all(&items[range(b)], args.concurrency as usize, &ask)
-                    .map_err(CliError::Failed)?;
+            'batches: for b in first..batches {
+                // Each batch's requests run on threads of their own: a stop signal ends the
+                // command at once (the batch in flight is dropped, resumable), without waiting
+                // for a slow server.
+                let (tx, rx) = mpsc::channel();
+                let (asker, items, rows) = (Arc::clone(&asker), Arc::clone(&items), range(b));
+                std::thread::spawn(move || {
+                    let _ = tx.send(ask_all(&items[rows], concurrency, &|item| asker.ask(item)));
+                });
+                let outputs = loop {
+                    if interrupted.load(std::sync::atomic::Ordering::SeqCst) {
+                        done = false;
+                        break 'batches;
+                    }
+                    match rx.recv_timeout(Duration::from_millis(50)) {
+                        Ok(outputs) => break outputs.map_err(CliError::Failed)?,
+                        Err(mpsc::RecvTimeoutError::Timeout) => {}
+                        Err(mpsc::RecvTimeoutError::Disconnected) => {
+                            return Err(CliError::Failed("a request thread died".into()));
+                        }
+                    }
+                };
                 commit(b, outputs).map_err(CliError::Failed)?;
             }
             done
@@ -460,17 +502,11 @@ pub fn run(args: GenerateArgs) -> Result<(), CliError> {
                 temperature: args.temperature,
                 seed: args.seed,
             };
-            let request_path = paths.partial.with_extension("request.json");
-            std::fs::write(
-                &request_path,
-                serde_json::to_vec(&request).map_err(|e| CliError::Failed(e.to_string()))?,
-            )
-            .map_err(|e| CliError::io(format!("cannot write {}", request_path.display()), e))?;
             let result = pool::Pool::start(
                 crate::runtime::workers::worker_binary(),
-                request_path.clone(),
+                serde_json::to_string(&request).map_err(|e| CliError::Failed(e.to_string()))?,
                 &devices,
-                Duration::from_secs(args.job_timeout),
+                Duration::from_secs_f64(args.job_timeout),
             )
             .and_then(|mut pool| {
                 pool.run(
@@ -487,7 +523,6 @@ pub fn run(args: GenerateArgs) -> Result<(), CliError> {
                     &interrupted,
                 )
             });
-            let _ = std::fs::remove_file(&request_path);
             result.map_err(CliError::Failed)?
         }
     };
@@ -499,11 +534,15 @@ pub fn run(args: GenerateArgs) -> Result<(), CliError> {
         )));
     }
     let seconds = started.elapsed().as_secs_f64();
+    let replies_cut = replies_cut.load(std::sync::atomic::Ordering::SeqCst);
     let meta = serde_json::json!({
         "format": "dflash-generate",
-        "version": 1,
+        "version": 2,
         "settings": settings,
         "rows": rows,
+        // Server replies longer than --max-new-tokens once tokenised, cut to it (this run's
+        // rows; a resumed run counts its own).
+        "replies_cut": replies_cut,
         "produced_by": if args.server.is_some() {
             format!("server {} (model {})", args.server.as_deref().unwrap_or(""), settings.server_model.as_deref().unwrap_or(""))
         } else {
@@ -521,6 +560,7 @@ pub fn run(args: GenerateArgs) -> Result<(), CliError> {
         seconds,
         tokens_per_second: generated as f64 / seconds.max(1e-9),
         producer: settings.producer,
+        replies_cut,
     };
     crate::commands::print_result(args.json, &summary, || {
         format!(
@@ -547,6 +587,90 @@ impl GenerateArgs {
             ),
         }
     }
+}
+
+/// What asks a server for one response and turns it into at most `max_new` tokens.
+struct Asker {
+    server: server::Server,
+    tokenizer: Arc<Tokenizer>,
+    /// Renders conversations (and knows the end-of-turn token) when the inputs have any.
+    encoder: Option<ChatEncoder>,
+    /// The end token of a completion from token ids.
+    stop_token: Option<u32>,
+    max_new: usize,
+    temperature: f64,
+    seed: u64,
+    /// Replies cut to `max_new` tokens.
+    cut: Arc<AtomicU64>,
+}
+
+impl Asker {
+    fn ask(&self, item: &Item) -> Result<Vec<u32>, String> {
+        let (reply, end) = match &item.turns {
+            Some(turns) => (
+                self.server
+                    .chat(turns, self.max_new, self.temperature, self.seed)?,
+                self.encoder.as_ref().and_then(ChatEncoder::end_token_id),
+            ),
+            None => (
+                self.server
+                    .complete(&item.prompt, self.max_new, self.temperature, self.seed)?,
+                self.stop_token,
+            ),
+        };
+        let mut ids = self
+            .tokenizer
+            .encode(reply.text.as_str(), false)
+            .map_err(|e| format!("{}: tokenizer failed: {e}", item.source))?
+            .get_ids()
+            .to_vec();
+        // A server may answer more than it was asked for: never more than --max-new-tokens.
+        if ids.len() > self.max_new {
+            ids.truncate(self.max_new);
+            self.cut.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        } else if reply.finished
+            && let Some(end) = end
+            && ids.len() < self.max_new
+        {
+            ids.push(end);
+        }
+        Ok(ids)
+    }
+}
+
+/// A hash of the bytes of every input file (as `prepare` resolves them), in order.
+fn hash_inputs(inputs: &[PathBuf], format: Option<Format>) -> Result<String, String> {
+    let files: Vec<PathBuf> = crate::commands::prepare::resolve_inputs(inputs, format)?
+        .into_iter()
+        .map(|i| i.path)
+        .collect();
+    hash_files(&files)
+}
+
+/// A hash of the files' names' order and bytes, read a block at a time.
+fn hash_files(files: &[PathBuf]) -> Result<String, String> {
+    use std::io::Read;
+    let mut parts: Vec<Vec<u8>> = Vec::new();
+    for path in files {
+        let mut f = std::fs::File::open(path)
+            .map_err(|e| format!("{}: cannot read: {e}", path.display()))?;
+        let mut block = vec![0u8; 1 << 20];
+        let mut hashes = Vec::new();
+        loop {
+            let n = f
+                .read(&mut block)
+                .map_err(|e| format!("{}: cannot read: {e}", path.display()))?;
+            if n == 0 {
+                break;
+            }
+            hashes
+                .extend_from_slice(crate::runtime::dflash_stage::digest([&block[..n]]).as_bytes());
+        }
+        parts.push(hashes);
+    }
+    Ok(crate::runtime::dflash_stage::digest(
+        parts.iter().map(Vec::as_slice),
+    ))
 }
 
 /// Asks for every item's response, `concurrency` at a time, in item order.

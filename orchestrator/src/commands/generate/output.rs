@@ -29,6 +29,16 @@ pub struct Settings {
     pub seed: u64,
     pub stop_token_ids: Vec<u32>,
     pub dtype: String,
+    /// A hash of the inputs' bytes (every file, in order).
+    pub input_hash: String,
+    /// The chat template conversations are rendered with, and a hash of its text.
+    pub chat_template: String,
+    pub chat_template_hash: String,
+    /// A hash of the tokenizer.json (none when there is none).
+    pub tokenizer_hash: Option<String>,
+    /// The target's identity (config and weight headers, as launch binds checkpoints) and a
+    /// sample of its weights; none when a server produces the rows.
+    pub target_weights: Option<String>,
 }
 
 /// The committed part of the partial file.
@@ -41,7 +51,8 @@ pub struct Committed {
     pub bytes: u64,
 }
 
-const VERSION: u32 = 1;
+/// 2: the settings identify the inputs, template, tokenizer and weights.
+const VERSION: u32 = 2;
 
 fn with_suffix(path: &Path, suffix: &str) -> PathBuf {
     let mut name = path.as_os_str().to_owned();
@@ -110,10 +121,10 @@ pub fn starting_point(
     }
     if committed.settings != *settings {
         return Err(format!(
-            "--resume: {} was made with other settings ({}); run it with the same options, or \
-             remove it to start over",
+            "--resume: {} was made from other inputs or settings ({}); run it with the same \
+             inputs, model and options, or remove it to start over",
             paths.partial.display(),
-            differences(&committed.settings, settings).join(", ")
+            differences(&committed.settings, settings).join("; ")
         ));
     }
     let size = fs::metadata(&paths.partial).map(|m| m.len()).unwrap_or(0);
@@ -129,7 +140,7 @@ pub fn starting_point(
     Ok(Some(committed))
 }
 
-/// The names of the settings that differ.
+/// The settings that differ, each named with the recorded value and this run's.
 fn differences(a: &Settings, b: &Settings) -> Vec<String> {
     let (a, b) = (
         serde_json::to_value(a).unwrap_or_default(),
@@ -140,7 +151,15 @@ fn differences(a: &Settings, b: &Settings) -> Vec<String> {
     };
     a.iter()
         .filter(|(k, v)| b.get(*k) != Some(v))
-        .map(|(k, _)| k.replace('_', "-"))
+        .map(|(k, v)| {
+            let now = b.get(k).cloned().unwrap_or_default();
+            format!(
+                "{}: recorded {}, now {}",
+                k.replace('_', "-"),
+                crate::format::clip(&v.to_string(), 200),
+                crate::format::clip(&now.to_string(), 200)
+            )
+        })
         .collect()
 }
 
@@ -164,11 +183,10 @@ impl Writer {
             rows: 0,
             bytes: 0,
         });
-        let file = OpenOptions::new()
-            .create(true)
-            .write(true)
-            .truncate(false)
-            .open(&paths.partial)?;
+        let file = crate::fsutil::open_own(
+            &paths.partial,
+            OpenOptions::new().create(true).write(true).truncate(false),
+        )?;
         file.set_len(committed.bytes)?;
         let mut writer = Self {
             paths: paths.clone(),
@@ -185,7 +203,8 @@ impl Writer {
 
     fn write_record(&mut self) -> io::Result<()> {
         let temp = with_suffix(&self.paths.record, ".tmp");
-        let mut f = File::create(&temp)?;
+        let _ = fs::remove_file(&temp);
+        let mut f = crate::fsutil::create_private(&temp)?;
         f.write_all(&serde_json::to_vec_pretty(&self.committed).map_err(io::Error::other)?)?;
         f.sync_all()?;
         fs::rename(&temp, &self.paths.record)
@@ -211,7 +230,8 @@ impl Writer {
     /// Every row is in: the metadata, then the output, appear by rename.
     pub fn finish(self, meta: &serde_json::Value) -> io::Result<()> {
         let temp = with_suffix(&self.paths.meta, ".tmp");
-        let mut f = File::create(&temp)?;
+        let _ = fs::remove_file(&temp);
+        let mut f = crate::fsutil::create_private(&temp)?;
         f.write_all(&serde_json::to_vec_pretty(meta).map_err(io::Error::other)?)?;
         f.sync_all()?;
         fs::rename(&temp, &self.paths.meta)?;
@@ -248,7 +268,71 @@ mod tests {
             seed: 0,
             stop_token_ids: vec![2],
             dtype: "f32".into(),
+            input_hash: "00aa".into(),
+            chat_template: "chatml".into(),
+            chat_template_hash: "11bb".into(),
+            tokenizer_hash: Some("22cc".into()),
+            target_weights: Some("33dd".into()),
         }
+    }
+
+    #[test]
+    fn a_resume_from_other_inputs_is_refused_naming_what_changed_and_both_values() {
+        let dir = tempfile::tempdir().unwrap();
+        let paths = Paths::of(&dir.path().join("out.jsonl"));
+        let mut w = Writer::open(&paths, settings(4), None).unwrap();
+        w.commit(&["a".into(), "b".into()]).unwrap();
+        drop(w);
+        type Change = fn(&mut Settings);
+        let table: [(&str, Change, &str, &str); 7] = [
+            (
+                "input-hash",
+                |s| s.input_hash = "ffff".into(),
+                "\"00aa\"",
+                "\"ffff\"",
+            ),
+            (
+                "chat-template",
+                |s| s.chat_template = "llama3".into(),
+                "\"chatml\"",
+                "\"llama3\"",
+            ),
+            (
+                "chat-template-hash",
+                |s| s.chat_template_hash = "x".into(),
+                "\"11bb\"",
+                "\"x\"",
+            ),
+            (
+                "tokenizer-hash",
+                |s| s.tokenizer_hash = None,
+                "\"22cc\"",
+                "null",
+            ),
+            (
+                "target-weights",
+                |s| s.target_weights = Some("44".into()),
+                "\"33dd\"",
+                "\"44\"",
+            ),
+            (
+                "server",
+                |s| s.server = Some("http://h:1".into()),
+                "null",
+                "\"http://h:1\"",
+            ),
+            ("temperature", |s| s.temperature = 0.5, "0.0", "0.5"),
+        ];
+        for (name, change, was, now) in table {
+            let mut other = settings(4);
+            change(&mut other);
+            let err = starting_point(&paths, &other, true, false).unwrap_err();
+            assert!(
+                err.contains(&format!("{name}: recorded {was}, now {now}")),
+                "{name}: {err}"
+            );
+        }
+        assert!(starting_point(&paths, &settings(4), true, false).is_ok());
     }
 
     #[test]
@@ -272,7 +356,7 @@ mod tests {
         let err = starting_point(&paths, &settings(5), false, false).unwrap_err();
         assert!(err.contains("--resume"), "{err}");
         let err = starting_point(&paths, &settings(6), true, false).unwrap_err();
-        assert!(err.contains("other settings (rows)"), "{err}");
+        assert!(err.contains("rows: recorded 5, now 6"), "{err}");
         let from = starting_point(&paths, &settings(5), true, false)
             .unwrap()
             .unwrap();

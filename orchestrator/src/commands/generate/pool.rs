@@ -38,7 +38,8 @@ struct Slot {
 /// The workers and the batches they owe.
 pub struct Pool {
     binary: PathBuf,
-    request: PathBuf,
+    /// The request as one JSON line, the first a worker reads on stdin.
+    request: String,
     slots: Vec<Slot>,
     tx: mpsc::Sender<Message>,
     rx: mpsc::Receiver<Message>,
@@ -46,10 +47,10 @@ pub struct Pool {
 }
 
 impl Pool {
-    /// Starts one worker per device, loading the model of `request`.
+    /// Starts one worker per device, loading the model of `request` (one JSON line).
     pub fn start(
         binary: PathBuf,
-        request: PathBuf,
+        request: String,
         devices: &[Device],
         job_timeout: Duration,
     ) -> Result<Self, String> {
@@ -86,8 +87,7 @@ impl Pool {
         slot.incarnation += 1;
         let mut command = Command::new(&self.binary);
         command
-            .arg("--generate")
-            .arg(&self.request)
+            .args(["--generate", "-"])
             .env(
                 "CUDA_VISIBLE_DEVICES",
                 match slot.device {
@@ -111,6 +111,15 @@ impl Pool {
         let mut stderr = child.stderr.take().expect("piped");
         slot.stdin = child.stdin.take();
         slot.child = Some(child);
+        // The request first: no request file exists for anyone to read or replace. A worker dead
+        // already is seen by its reader threads.
+        if let Some(stdin) = slot.stdin.as_mut()
+            && writeln!(stdin, "{}", self.request)
+                .and_then(|()| stdin.flush())
+                .is_err()
+        {
+            slot.stdin = None;
+        }
         let (tx, incarnation) = (self.tx.clone(), slot.incarnation);
         std::thread::spawn(move || {
             // Its last words, for the error message when it dies.

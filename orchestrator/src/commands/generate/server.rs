@@ -28,6 +28,25 @@ fn agent(timeout: Duration) -> ureq::Agent {
         .into()
 }
 
+/// The largest answer read from a server: far above any reply of --max-new-tokens tokens (which
+/// are cut to that many after tokenising), far below what would strain memory.
+pub const BODY_LIMIT: u64 = 64 << 20;
+
+/// The most of a server's answer an error message quotes.
+const QUOTED: usize = 300;
+
+fn read_body(response: &mut ureq::http::Response<ureq::Body>) -> Result<String, ureq::Error> {
+    response
+        .body_mut()
+        .with_config()
+        .limit(BODY_LIMIT)
+        .read_to_string()
+}
+
+fn clip(text: &str) -> String {
+    crate::format::clip(text, QUOTED)
+}
+
 impl Server {
     /// Connects: the server must answer `GET /v1/models`; `model` defaults to the first it
     /// lists.
@@ -49,14 +68,14 @@ impl Server {
             .map_err(|e| format!("cannot reach --server {url}: {e}"))
             .and_then(|mut r| {
                 let status = r.status();
-                let body = r.body_mut().read_to_string().unwrap_or_default();
+                let body = read_body(&mut r).unwrap_or_default();
                 if status.is_success() {
                     serde_json::from_str::<Value>(&body)
                         .map_err(|e| format!("--server {url}: /v1/models did not answer JSON: {e}"))
                 } else {
                     Err(format!(
                         "--server {url}: /v1/models answered {status}: {}",
-                        body.trim()
+                        clip(body.trim())
                     ))
                 }
             })?;
@@ -82,15 +101,13 @@ impl Server {
             .send(body.to_string())
             .map_err(|e| format!("--server {}{path}: {e}", self.base))?;
         let status = response.status();
-        let text = response
-            .body_mut()
-            .read_to_string()
-            .map_err(|e| format!("--server {}{path}: {e}", self.base))?;
+        let text =
+            read_body(&mut response).map_err(|e| format!("--server {}{path}: {e}", self.base))?;
         if !status.is_success() {
             return Err(format!(
                 "--server {}{path} answered {status}: {}",
                 self.base,
-                text.trim()
+                clip(text.trim())
             ));
         }
         serde_json::from_str(&text)
@@ -102,7 +119,12 @@ impl Server {
             "message" => choice["message"]["content"].as_str(),
             _ => choice["text"].as_str(),
         }
-        .ok_or_else(|| format!("the server's answer has no {field} text: {choice}"))?;
+        .ok_or_else(|| {
+            format!(
+                "the server's answer has no {field} text: {}",
+                clip(&choice.to_string())
+            )
+        })?;
         Ok(Reply {
             text: text.to_owned(),
             finished: choice["finish_reason"].as_str() != Some("length"),

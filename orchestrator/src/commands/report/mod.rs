@@ -293,6 +293,14 @@ fn header(h: &mut String, run_dir: &Path, run: &Run, journal: &Journal) {
     if run.torn_tail {
         lines.push_str(" (a last line cut short was ignored)");
     }
+    if let Some(first) = run.skipped.first() {
+        lines.push_str(&format!(
+            " ({} malformed line{} skipped; the first: {})",
+            run.skipped.len(),
+            if run.skipped.len() == 1 { "" } else { "s" },
+            first
+        ));
+    }
     facts.push(("Metrics lines", lines));
 
     h.push_str("<table class=\"facts\">\n");

@@ -37,18 +37,12 @@ pub struct TopArgs {
     #[arg(long, value_name = "DIR", default_value = ".")]
     pub run_dir: PathBuf,
 
-    /// Refresh every SECS seconds (at most 3600).
-    #[arg(long, value_name = "SECS", default_value_t = 1.0, value_parser = crate::options::positive(3600.0, " seconds"))]
+    /// Refresh every SECS seconds, 0.05 to 3600.
+    #[arg(long, value_name = "SECS", default_value_t = 1.0, value_parser = crate::options::interval())]
     pub interval: f64,
 }
 
 pub fn run(args: TopArgs) -> Result<(), CliError> {
-    if !(args.interval > 0.0 && args.interval <= 3600.0) {
-        return Err(CliError::Invalid(format!(
-            "invalid --interval {}: expected seconds, more than 0 and at most 3600",
-            args.interval
-        )));
-    }
     if !std::io::stdout().is_terminal() {
         return Err(CliError::Invalid(
             "top needs a terminal (stdout is not one); for plain text use \
