@@ -403,8 +403,217 @@ fn a_full_disk_stops_the_run_cleanly_with_whole_journal_lines_and_it_resumes() {
     // names carry the id of the run directory's path inside the namespace.)
     fs::create_dir(mnt.join("run")).unwrap();
     assert!(shm_with(&run_id(&mnt.join("run"))).is_empty());
+    // The metrics too may end in a line the full disk cut; the resume cuts it before appending.
+    // (And a torn line of our own making, whatever the disk did.)
+    let metrics = moved.join("metrics.jsonl");
+    let mut text = fs::read(&metrics).unwrap();
+    text.extend_from_slice(b"{\"kind\":\"batch\",\"ti");
+    fs::write(&metrics, text).unwrap();
     let out = launch(&moved, &["--resume"]).output().unwrap();
     assert!(out.status.success(), "{}", stderr(&out));
     assert_eq!(commits(&moved), commits(&reference));
     assert_clean(&moved);
+    let text = fs::read_to_string(&metrics).unwrap();
+    for (i, line) in text.lines().enumerate() {
+        assert!(
+            serde_json::from_str::<serde_json::Value>(line).is_ok(),
+            "metrics line {} is not a whole record: {line:?}",
+            i + 1
+        );
+    }
+}
+
+/// A file of the run directory that is a hard link to another file (or not a file at all) is
+/// refused before anything is written, its target untouched, by the launch and its dry run
+/// alike.
+#[test]
+fn a_hard_linked_run_file_is_refused_and_the_file_it_links_to_is_untouched() {
+    let dir = tempfile::tempdir().unwrap();
+    let victim = dir.path().join("victim");
+    for (i, name) in [
+        "run.lock",
+        "journal.jsonl",
+        "metrics.jsonl",
+        "logs/worker-0.log",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let run_dir = dir.path().join(format!("hl-{i}"));
+        fs::create_dir_all(run_dir.join("logs")).unwrap();
+        fs::set_permissions(&run_dir, fs::Permissions::from_mode(0o700)).unwrap();
+        fs::write(&victim, "precious\n").unwrap();
+        fs::hard_link(&victim, run_dir.join(name)).unwrap();
+        for extra in [&[][..], &["--dry-run"][..]] {
+            let out = launch(&run_dir, extra).output().unwrap();
+            let err = stderr(&out);
+            assert_eq!(
+                out.status.code(),
+                Some(if extra.is_empty() { 2 } else { 1 }),
+                "{name}: {err}"
+            );
+            assert!(
+                err.contains(&format!("{name} has 2 hard links")),
+                "{name}: {err}"
+            );
+        }
+        assert_eq!(fs::read_to_string(&victim).unwrap(), "precious\n", "{name}");
+        fs::remove_file(run_dir.join(name)).unwrap();
+    }
+    // A FIFO where the metrics go: refused too, never opened (a FIFO would block the launch).
+    let run_dir = dir.path().join("fifo");
+    fs::create_dir(&run_dir).unwrap();
+    fs::set_permissions(&run_dir, fs::Permissions::from_mode(0o700)).unwrap();
+    let made = Command::new("mkfifo")
+        .arg(run_dir.join("metrics.jsonl"))
+        .status()
+        .unwrap();
+    assert!(made.success());
+    let out = launch(&run_dir, &[]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).contains("metrics.jsonl is not a regular file"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+/// A failed launch removes every directory it created, its parents too, and nothing else.
+#[test]
+fn a_failed_launch_removes_the_parents_it_created() {
+    let dir = tempfile::tempdir().unwrap();
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = busy.local_addr().unwrap().port().to_string();
+    fs::create_dir(dir.path().join("np")).unwrap();
+    for deep in ["np/a/b/run", "fresh/run", "np/run"] {
+        let run_dir = dir.path().join(deep);
+        let out = launch(&run_dir, &["--metrics-addr", &port])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+        assert_eq!(entries(dir.path()), ["np"], "{deep}");
+        assert!(entries(&dir.path().join("np")).is_empty(), "{deep}");
+    }
+    // A parent that gained a file meanwhile is someone's: kept. (Here: one made beforehand and
+    // left alone, the empty ones below it removed.)
+    fs::write(dir.path().join("np/keep"), "x").unwrap();
+    let out = launch(&dir.path().join("np/c/d/run"), &["--metrics-addr", &port])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(entries(&dir.path().join("np")), ["keep"]);
+}
+
+/// What a launch refuses, its dry run refuses with the same message (one validation path).
+#[test]
+fn the_dry_run_refuses_what_a_launch_refuses_with_the_same_message() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = dir.path().join("tiny");
+    let out = orch(&["init-tiny", "--output", target.to_str().unwrap()]);
+    assert!(out.status.success());
+    let context = dflash_worker::model::qwen3::read_config(&target)
+        .unwrap()
+        .max_position_embeddings
+        .unwrap();
+    let long = dir.path().join("long.jsonl");
+    let ids: Vec<u32> = (0..context as u32 + 808).map(|i| 5 + i % 500).collect();
+    fs::write(
+        &long,
+        serde_json::json!({ "input_ids": ids }).to_string() + "\n",
+    )
+    .unwrap();
+    let completed = dir.path().join("completed");
+    assert!(launch(&completed, &[]).output().unwrap().status.success());
+    let live_less = dir.path().join("empty-run");
+    fs::create_dir(&live_less).unwrap();
+    fs::set_permissions(&live_less, fs::Permissions::from_mode(0o700)).unwrap();
+    let t = target.to_str().unwrap();
+    let dflash = |more: &[&str]| -> Vec<String> {
+        let mut v: Vec<String> = [
+            "--stage",
+            "dflash",
+            "--target-model",
+            t,
+            "--draft-layers",
+            "1",
+            "--num-anchors",
+            "8",
+        ]
+        .map(String::from)
+        .to_vec();
+        v.extend(more.iter().map(|s| s.to_string()));
+        v
+    };
+    let nonexistent = dir.path().join("nonexistent.jsonl");
+    let cases: Vec<(&str, std::path::PathBuf, Vec<String>)> = vec![
+        (
+            "eval prompts that do not exist",
+            dir.path().join("r1"),
+            dflash(&[
+                "--eval-every",
+                "1",
+                "--eval-prompts",
+                nonexistent.to_str().unwrap(),
+            ]),
+        ),
+        (
+            "an eval prompt past the target's context",
+            dir.path().join("r2"),
+            dflash(&[
+                "--eval-every",
+                "1",
+                "--eval-prompts",
+                long.to_str().unwrap(),
+            ]),
+        ),
+        (
+            "a resume of a completed run",
+            completed.clone(),
+            vec!["--resume".into()],
+        ),
+        (
+            "a resume of a directory without a run",
+            live_less.clone(),
+            vec!["--resume".into()],
+        ),
+        (
+            "a resume that changes the plans",
+            completed.clone(),
+            vec!["--resume".into(), "--epochs".into(), "3".into()],
+        ),
+        (
+            "a fresh launch into an earlier run",
+            completed.clone(),
+            vec![],
+        ),
+        (
+            "a target for another stage",
+            dir.path().join("r3"),
+            dflash(&["--target-layer-ids", "1,99"]),
+        ),
+    ];
+    for (what, run_dir, extra) in cases {
+        let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+        let out = launch(&run_dir, &extra).output().unwrap();
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(2), "{what}: the launch: {err}");
+        let message = err
+            .lines()
+            .find_map(|l| l.strip_prefix("error: "))
+            .unwrap_or_else(|| panic!("{what}: no error line: {err}"))
+            .to_owned();
+        let mut dry = extra.clone();
+        dry.push("--dry-run");
+        let out = launch(&run_dir, &dry).output().unwrap();
+        let dry_err = stderr(&out);
+        assert_ne!(
+            out.status.code(),
+            Some(0),
+            "{what}: the dry run passed: {dry_err}"
+        );
+        assert!(
+            dry_err.contains(&message),
+            "{what}: the dry run says\n{dry_err}\nthe launch said\n{message}"
+        );
+    }
 }

@@ -93,8 +93,10 @@ pub struct LaunchArgs {
     /// Continue the run in --run-dir from its journal. Its options come from the journal: an
     /// option given again must have the journal's value, except those that may change on resume:
     /// --gpus and --topology (the number of target workers; one drafter), --metrics-addr,
-    /// --job-timeout, --stop-grace, --heartbeat-timeout, --monitor-interval, --max-restarts and
-    /// --restart-window.
+    /// --job-timeout, --stop-grace, --heartbeat-timeout, --monitor-interval, --max-restarts,
+    /// --restart-window, --synthetic-us-per-token, --on-nonfinite, --eval-every,
+    /// --eval-max-new-tokens and --eval-prompts (another file, not in place of held-out
+    /// samples). The journal's resume line records every change.
     #[arg(long)]
     pub resume: bool,
 
@@ -395,10 +397,19 @@ pub fn run(args: LaunchArgs) -> Result<(), CliError> {
     if args.dry_run {
         return dry_run(&args);
     }
-    let (config, changes) = if args.resume {
+    let (config, changes) = session_config(&args)?;
+    launch_with(config, changes, &args)
+}
+
+/// The run's options for this session, as a launch and its dry run both take them: from the
+/// arguments, or on resume from the journal with the options that may change applied.
+fn session_config(
+    args: &LaunchArgs,
+) -> Result<(RunConfig, serde_json::Map<String, serde_json::Value>), CliError> {
+    Ok(if args.resume {
         runtime::run_lock::check_not_live(&args.run_dir).map_err(run_error)?;
         let stored = runtime::resume::stored_config(&args.run_dir).map_err(run_error)?;
-        let session = config_from_args(&args, Some(&stored))?;
+        let session = config_from_args(args, Some(&stored))?;
         let given = runtime::resume::given_values(&args.given, &session);
         let (config, changes) =
             runtime::resume::merge(stored, &given, &session).map_err(CliError::Invalid)?;
@@ -411,8 +422,15 @@ pub fn run(args: LaunchArgs) -> Result<(), CliError> {
         }
         (config, changes.into_iter().collect())
     } else {
-        (config_from_args(&args, None)?, Default::default())
-    };
+        (config_from_args(args, None)?, Default::default())
+    })
+}
+
+fn launch_with(
+    config: RunConfig,
+    changes: serde_json::Map<String, serde_json::Value>,
+    args: &LaunchArgs,
+) -> Result<(), CliError> {
     let line = |what: &str, s: &runtime::Summary| {
         eprintln!(
             "run {what}: {} steps committed in total, {} tokens this session in {:.1} s ({:.0} tokens/s), {} worker restarts; journal {}",
@@ -449,18 +467,32 @@ fn run_error(e: RunError) -> CliError {
 }
 
 fn dry_run(args: &LaunchArgs) -> Result<(), CliError> {
-    let config = if args.resume {
-        let stored = runtime::resume::stored_config(&args.run_dir).map_err(run_error)?;
-        let session = config_from_args(args, Some(&stored))?;
-        let given = runtime::resume::given_values(&args.given, &session);
-        runtime::resume::merge(stored, &given, &session)
-            .map_err(CliError::Invalid)?
-            .0
-    } else {
-        config_from_args(args, None)?
+    // The same options and the same checks as a launch: what it would refuse, this refuses
+    // with the same message.
+    let refused = |e: CliError| {
+        CliError::Failed(format!(
+            "a launch would be refused: {}",
+            e.to_string().trim_start_matches("run failed: ")
+        ))
     };
+    let (config, _) = session_config(args).map_err(refused)?;
     let gpu_memory = args.gpu_memory.map(|g| (g * f64::from(1u32 << 30)) as u64);
-    let found = runtime::dry_run::dry_run(&config, gpu_memory).map_err(run_error)?;
+    let checked = runtime::dry_run::validate(&config, &args.run_dir, args.resume, gpu_memory)
+        .err()
+        .map(|e| run_error(e).to_string());
+    let mut found = match runtime::dry_run::dry_run(&config, gpu_memory) {
+        Ok(found) => found,
+        Err(e) => {
+            return Err(refused(
+                checked.map_or_else(|| run_error(e), CliError::Invalid),
+            ));
+        }
+    };
+    if let Some(why) = checked
+        && !found.refusals.contains(&why)
+    {
+        found.refusals.insert(0, why);
+    }
     if args.json {
         println!(
             "{}",

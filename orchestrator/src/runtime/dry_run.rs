@@ -127,6 +127,25 @@ pub struct DryRun {
     pub refusals: Vec<String>,
 }
 
+/// Runs every check of a launch ([`super::launch_plan::prepare`], the one validation path)
+/// without touching anything. GPUs planned for with `gpu_memory` on a machine that has none are
+/// checked as CPU workers of the same count; everything else is checked as the launch would.
+pub fn validate(
+    config: &RunConfig,
+    run_dir: &std::path::Path,
+    resume: bool,
+    gpu_memory: Option<u64>,
+) -> Result<(), RunError> {
+    let mut config = config.clone();
+    if gpu_memory.is_some()
+        && gpu_count(&init_nvml()).is_err()
+        && let Ok(spec::GpuSpec::Ids(ids)) = config.gpus.parse::<spec::GpuSpec>()
+    {
+        config.gpus = format!("cpu:{}", ids.len());
+    }
+    super::launch_plan::prepare(config, run_dir, resume).map(|_| ())
+}
+
 /// Checks a launch and plans its memory without touching anything: no run directory, no
 /// segment, no worker. `gpu_memory` stands for the GPUs' memory where NVML cannot tell it (or
 /// to plan for other GPUs); with it, GPU ids are taken as given when this machine has no GPU.

@@ -77,15 +77,30 @@ pub fn check_options(
     })
 }
 
-/// Starts (or resumes) the run in `run_dir` with `config` and drives it to its end. On resume,
-/// `config` holds the journal's options with those that may change on resume applied, and
-/// `changes` names them (journaled with the resume).
-pub fn launch(
+/// Everything a launch checks and computes before its first side effect: the options, the
+/// worker binary, the run directory (trust, an earlier run, the journal of a resume), the data,
+/// the evaluations' prompts, the plans, the stage's checks, the rings' and GPUs' fit, the metrics
+/// port. `launch --dry-run` runs exactly this, so that its "a launch would start" is a promise.
+pub struct Prepared {
     config: RunConfig,
-    run_dir_path: &Path,
-    resume: bool,
-    changes: serde_json::Map<String, serde_json::Value>,
-) -> Result<(Outcome, Summary), RunError> {
+    nvml: Result<&'static nvml_wrapper::Nvml, String>,
+    devices: Vec<Device>,
+    topology: Topology,
+    binary: std::path::PathBuf,
+    existed: bool,
+    start: Start,
+    torn_tail: bool,
+    tokens: Tokens,
+    eval_prompts: Option<Vec<Vec<u32>>>,
+    evaluator: Option<super::eval::Evaluator>,
+    planner: Planner,
+    rings: RingPlan,
+    prom: Option<crate::observe::prom::Prom>,
+}
+
+/// Checks the launch of `config` into `run_dir_path` without touching anything (see
+/// [`Prepared`]).
+pub fn prepare(config: RunConfig, run_dir_path: &Path, resume: bool) -> Result<Prepared, RunError> {
     let mut config = config;
     let nvml = init_nvml();
     let options = check_options(&config, gpu_count(&nvml))?;
@@ -105,6 +120,9 @@ pub fn launch(
     }
     control::check_socket_dir(run_dir_path).map_err(RunError::Invalid)?;
     let existed = check_run_dir_trust(run_dir_path)?;
+    if existed {
+        super::run_lock::check_own_files(run_dir_path)?;
+    }
     if !resume && existed {
         let found = earlier_run(run_dir_path);
         if !found.is_empty() {
@@ -116,10 +134,6 @@ pub fn launch(
         }
     }
 
-    // From here on, the guard undoes what is created.
-    let mut guard = Guard::new(run_dir_path, existed)?;
-    let _lock = lock_run_dir(run_dir_path)?;
-    let journal_path = run_dir::journal(run_dir_path);
     let (start, torn_tail) = if resume {
         let journaled = resume::read(run_dir_path)?;
         let fixed = journaled.config.weight_settings_differ(&config);
@@ -221,6 +235,74 @@ pub fn launch(
         .transpose()
         .map_err(|e| RunError::Invalid(format!("--metrics-addr: {e}")))?;
 
+    let evaluator = match (&config.eval, &config.dflash, &eval_prompts) {
+        (Some(eval), Some(settings), Some(prompts)) => {
+            // On a GPU run, the evaluations share the first GPU.
+            let gpu = devices.iter().find_map(|d| match d {
+                Device::Gpu(g) => Some(*g),
+                Device::Cpu(_) => None,
+            });
+            Some(
+                super::eval::Evaluator::new(
+                    eval.clone(),
+                    prompts.clone(),
+                    run_dir_path,
+                    settings,
+                    gpu,
+                    config.job_timeout_s,
+                )
+                .map_err(RunError::Invalid)?,
+            )
+        }
+        _ => None,
+    };
+    Ok(Prepared {
+        config,
+        nvml,
+        devices,
+        topology,
+        binary,
+        existed,
+        start,
+        torn_tail,
+        tokens,
+        eval_prompts,
+        evaluator,
+        planner,
+        rings,
+        prom,
+    })
+}
+
+/// Starts (or resumes) the run in `run_dir` with `config` and drives it to its end. On resume,
+/// `config` holds the journal's options with those that may change on resume applied, and
+/// `changes` names them (journaled with the resume).
+pub fn launch(
+    config: RunConfig,
+    run_dir_path: &Path,
+    resume: bool,
+    changes: serde_json::Map<String, serde_json::Value>,
+) -> Result<(Outcome, Summary), RunError> {
+    let Prepared {
+        config,
+        nvml,
+        devices,
+        topology,
+        binary,
+        existed,
+        start,
+        torn_tail,
+        tokens,
+        eval_prompts,
+        evaluator,
+        planner,
+        rings,
+        prom,
+    } = prepare(config, run_dir_path, resume)?;
+    let journal_path = run_dir::journal(run_dir_path);
+    // From here on, the guard undoes what is created.
+    let mut guard = Guard::new(run_dir_path, existed)?;
+    let _lock = lock_run_dir(run_dir_path)?;
     // Side effects, in an order that a failure at any step undoes.
     if !resume && stillborn_journal(&journal_path) {
         let _ = std::fs::remove_file(&journal_path);
@@ -238,29 +320,10 @@ pub fn launch(
         Some(settings) => Some(dflash_stage::write_settings(run_dir_path, settings)?),
         None => None,
     };
-    let evaluator = match (&config.eval, &config.dflash, eval_prompts) {
-        (Some(eval), Some(settings), Some(prompts)) => {
-            super::eval::write_prompts(run_dir_path, &prompts)
-                .map_err(|e| RunError::Invalid(format!("eval prompts: {e}")))?;
-            // On a GPU run, the evaluations share the first GPU.
-            let gpu = devices.iter().find_map(|d| match d {
-                Device::Gpu(g) => Some(*g),
-                Device::Cpu(_) => None,
-            });
-            Some(
-                super::eval::Evaluator::new(
-                    eval.clone(),
-                    prompts,
-                    run_dir_path,
-                    settings,
-                    gpu,
-                    config.job_timeout_s,
-                )
-                .map_err(RunError::Invalid)?,
-            )
-        }
-        _ => None,
-    };
+    if let Some(prompts) = &eval_prompts {
+        super::eval::write_prompts(run_dir_path, prompts)
+            .map_err(|e| RunError::Invalid(format!("eval prompts: {e}")))?;
+    }
     let run_id = run_dir::run_id(run_dir_path);
     let nonce = {
         use std::hash::{BuildHasher, Hasher};

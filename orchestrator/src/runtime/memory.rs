@@ -431,7 +431,7 @@ pub fn refusal(uses: &[GpuUse]) -> Option<String> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn qwen3_8b() -> Qwen3Config {
@@ -444,7 +444,7 @@ mod tests {
         .unwrap()
     }
 
-    fn settings(budget: u64) -> DflashSettings {
+    pub(crate) fn settings(budget: u64) -> DflashSettings {
         serde_json::from_value(serde_json::json!({
             "target_model": "/m", "target_layer_ids": [1, 9, 17, 25, 33], "draft_layers": 5,
             "block_size": 16, "num_anchors": 512, "mask_token_id": 151669, "lr": 6e-4,

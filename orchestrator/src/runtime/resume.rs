@@ -84,48 +84,131 @@ fn start_of(history: &History) -> Start {
 /// How an option that may change on resume is applied: from this session's options to the run's.
 type Apply = fn(&mut RunConfig, &RunConfig);
 
-/// The options a resume may change: none of them decides the trained weights or the plans.
-/// `--gpus` and `--topology` may change the number of target workers (plans and the drafter's
-/// result do not depend on it), not the number of drafters; `--synthetic-us-per-token` is the
-/// synthetic stage's speed.
-const CHANGEABLE: &[(&str, Apply)] = &[
-    ("gpus", |run, session| {
-        // Other workers: the topology is the one given with them (or their default).
-        if run.gpus != session.gpus {
-            run.gpus.clone_from(&session.gpus);
-            run.topology.clone_from(&session.topology);
-        }
-    }),
-    ("topology", |run, session| {
-        run.topology.clone_from(&session.topology)
-    }),
-    ("metrics-addr", |run, session| {
-        run.metrics_addr.clone_from(&session.metrics_addr)
-    }),
-    ("job-timeout", |run, session| {
-        run.job_timeout_s = session.job_timeout_s
-    }),
-    ("stop-grace", |run, session| {
-        run.stop_grace_s = session.stop_grace_s
-    }),
-    ("heartbeat-timeout", |run, session| {
-        run.heartbeat_timeout_s = session.heartbeat_timeout_s;
-        run.heartbeat_ms = session.heartbeat_ms;
-    }),
-    ("monitor-interval", |run, session| {
-        run.monitor_interval_s = session.monitor_interval_s
-    }),
-    ("max-restarts", |run, session| {
-        run.max_restarts = session.max_restarts
-    }),
-    ("restart-window", |run, session| {
-        run.restart_window_s = session.restart_window_s
-    }),
-    ("synthetic-us-per-token", |run, session| {
-        run.synthetic_us_per_token = session.synthetic_us_per_token
-    }),
-    ("eval-every", |run, session| {
-        match (&mut run.eval, &session.eval) {
+/// What `launch --resume` does with an option given again.
+#[derive(Clone, Copy)]
+pub enum OnResume {
+    /// It decides the plans or the weights: it must have the journal's value.
+    Compared,
+    /// It may change (none of these decides the trained weights or the plans): taken from this
+    /// session, and recorded in the journal's `resume` line.
+    Changeable(Apply),
+    /// It does not reach the run (how this command runs, not what the run does).
+    NotRun,
+}
+
+use OnResume::{Changeable, Compared, NotRun};
+
+/// Every option of `launch`: where the journal's run line records it, and what a resume does
+/// with it. One table, so that no option reaching a worker can be forgotten (a test holds it
+/// equal to `launch`'s options). `--gpus` and `--topology` may change the number of target
+/// workers (plans and the drafter's result do not depend on it), not the number of drafters;
+/// `--synthetic-us-per-token` is the synthetic stage's speed.
+pub const OPTIONS: &[(&str, &[&str], OnResume)] = &[
+    ("data", &["data"], Compared),
+    ("synthetic", &["synthetic"], Compared),
+    ("synthetic-seed", &["synthetic_seed"], Compared),
+    ("stage", &["stage"], Compared),
+    ("epochs", &["epochs"], Compared),
+    ("mode", &["planner", "mode"], Compared),
+    ("interleave", &["planner", "interleave"], Compared),
+    ("buckets", &["planner", "buckets"], Compared),
+    ("token-budget", &["planner", "token_budget"], Compared),
+    ("max-len", &["planner", "max_len"], Compared),
+    ("on-overlong", &["planner", "on_overlong"], Compared),
+    ("accum", &["planner", "accum"], Compared),
+    ("seed", &["planner", "seed"], Compared),
+    ("target-model", &["dflash", "target_model"], Compared),
+    (
+        "target-layer-ids",
+        &["dflash", "target_layer_ids"],
+        Compared,
+    ),
+    ("draft-layers", &["dflash", "draft_layers"], Compared),
+    ("block-size", &["dflash", "block_size"], Compared),
+    ("num-anchors", &["dflash", "num_anchors"], Compared),
+    ("mask-token-id", &["dflash", "mask_token_id"], Compared),
+    ("lr", &["dflash", "lr"], Compared),
+    ("warmup-ratio", &["dflash", "warmup_ratio"], Compared),
+    ("clip", &["dflash", "clip"], Compared),
+    ("gamma", &["dflash", "gamma"], Compared),
+    ("loss", &["dflash", "loss"], Compared),
+    ("kd-temperature", &["dflash", "kd_temperature"], Compared),
+    ("kd-weight", &["dflash", "kd_weight"], Compared),
+    ("weight-decay", &["dflash", "weight_decay"], Compared),
+    ("save-every", &["dflash", "save_every"], Compared),
+    (
+        "keep-checkpoints",
+        &["dflash", "keep_checkpoints"],
+        Compared,
+    ),
+    ("dtype", &["dflash", "dtype"], Compared),
+    ("feature-dtype", &["dflash", "feature_dtype"], Compared),
+    ("anchor-chunk", &["dflash", "anchor_chunk"], Compared),
+    // The held-out samples leave the plans: they may not change.
+    ("eval-holdout", &["eval", "holdout"], Compared),
+    (
+        "gpus",
+        &["gpus"],
+        Changeable(|run, session| {
+            // Other workers: the topology is the one given with them (or their default).
+            if run.gpus != session.gpus {
+                run.gpus.clone_from(&session.gpus);
+                run.topology.clone_from(&session.topology);
+            }
+        }),
+    ),
+    (
+        "topology",
+        &["topology"],
+        Changeable(|run, session| run.topology.clone_from(&session.topology)),
+    ),
+    (
+        "metrics-addr",
+        &["metrics_addr"],
+        Changeable(|run, session| run.metrics_addr.clone_from(&session.metrics_addr)),
+    ),
+    (
+        "job-timeout",
+        &["job_timeout_s"],
+        Changeable(|run, session| run.job_timeout_s = session.job_timeout_s),
+    ),
+    (
+        "stop-grace",
+        &["stop_grace_s"],
+        Changeable(|run, session| run.stop_grace_s = session.stop_grace_s),
+    ),
+    (
+        "heartbeat-timeout",
+        &["heartbeat_timeout_s"],
+        Changeable(|run, session| {
+            run.heartbeat_timeout_s = session.heartbeat_timeout_s;
+            run.heartbeat_ms = session.heartbeat_ms;
+        }),
+    ),
+    (
+        "monitor-interval",
+        &["monitor_interval_s"],
+        Changeable(|run, session| run.monitor_interval_s = session.monitor_interval_s),
+    ),
+    (
+        "max-restarts",
+        &["max_restarts"],
+        Changeable(|run, session| run.max_restarts = session.max_restarts),
+    ),
+    (
+        "restart-window",
+        &["restart_window_s"],
+        Changeable(|run, session| run.restart_window_s = session.restart_window_s),
+    ),
+    (
+        "synthetic-us-per-token",
+        &["synthetic_us_per_token"],
+        Changeable(|run, session| run.synthetic_us_per_token = session.synthetic_us_per_token),
+    ),
+    (
+        "eval-every",
+        &["eval", "every"],
+        Changeable(|run, session| match (&mut run.eval, &session.eval) {
             (Some(r), Some(s)) => {
                 r.every = s.every;
                 if let Some(d) = run.dflash.as_mut() {
@@ -140,23 +223,53 @@ const CHANGEABLE: &[(&str, Apply)] = &[
                 }
             }
             _ => {}
-        }
-    }),
-    ("eval-max-new-tokens", |run, session| {
-        if let (Some(r), Some(s)) = (run.eval.as_mut(), session.eval.as_ref()) {
-            r.max_new_tokens = s.max_new_tokens;
-        }
-    }),
-    ("on-nonfinite", |run, session| {
-        if let (Some(r), Some(s)) = (run.dflash.as_mut(), session.dflash.as_ref()) {
-            r.on_nonfinite = s.on_nonfinite;
-        }
-    }),
+        }),
+    ),
+    (
+        "eval-prompts",
+        &["eval", "prompts"],
+        Changeable(|run, session| {
+            // Another prompts file: what is measured changes, not what is trained. Never a
+            // switch from held-out samples (the plans would change): `merge` refuses that.
+            if let (Some(r), Some(s)) = (run.eval.as_mut(), session.eval.as_ref())
+                && r.prompts.is_some()
+                && s.prompts.is_some()
+            {
+                r.prompts.clone_from(&s.prompts);
+            }
+        }),
+    ),
+    (
+        "eval-max-new-tokens",
+        &["eval", "max_new_tokens"],
+        Changeable(|run, session| {
+            if let (Some(r), Some(s)) = (run.eval.as_mut(), session.eval.as_ref()) {
+                r.max_new_tokens = s.max_new_tokens;
+            }
+        }),
+    ),
+    (
+        "on-nonfinite",
+        &["dflash", "on_nonfinite"],
+        Changeable(|run, session| {
+            if let (Some(r), Some(s)) = (run.dflash.as_mut(), session.dflash.as_ref()) {
+                r.on_nonfinite = s.on_nonfinite;
+            }
+        }),
+    ),
+    ("run-dir", &[], NotRun),
+    ("resume", &[], NotRun),
+    ("dry-run", &[], NotRun),
+    ("json", &[], NotRun),
+    ("gpu-memory", &[], NotRun),
 ];
 
 /// The names of the options a resume may change.
 pub fn changeable_on_resume() -> impl Iterator<Item = &'static str> {
-    CHANGEABLE.iter().map(|(flag, _)| *flag)
+    OPTIONS
+        .iter()
+        .filter(|(_, _, on)| matches!(on, Changeable(_)))
+        .map(|(flag, _, _)| *flag)
 }
 
 /// Compares the run options given with `--resume` against the journal's. `given` holds, for each
@@ -172,6 +285,21 @@ pub fn merge(
     let stored_value = serde_json::to_value(&stored).map_err(|e| e.to_string())?;
     let changeable: Vec<&str> = changeable_on_resume().collect();
     let mut differ = Vec::new();
+    // Held-out samples and a prompts file are not interchangeable: one leaves the plans.
+    if given.contains_key("eval-prompts")
+        && let (Some(run), Some(s)) = (stored.eval.as_ref(), session.eval.as_ref())
+        && run.prompts.is_none()
+        && s.prompts.is_some()
+    {
+        differ.push(format!(
+            "--eval-prompts {} (the run evaluates {} samples held out of its store)",
+            s.prompts
+                .as_ref()
+                .map(|p| p.display().to_string())
+                .unwrap_or_default(),
+            run.holdout
+        ));
+    }
     for (flag, value) in given {
         if changeable.contains(&flag.as_str()) {
             continue;
@@ -193,15 +321,24 @@ pub fn merge(
         ));
     }
     let mut merged = stored;
+    for (flag, _, on) in OPTIONS {
+        if let Changeable(apply) = on
+            && given.contains_key(*flag)
+        {
+            apply(&mut merged, session);
+        }
+    }
+    // Every recorded option whose value the resume changed, whether given itself or brought
+    // by another (`--eval-every` on a run without evaluations brings their prompts and length).
+    let merged_value = serde_json::to_value(&merged).map_err(|e| e.to_string())?;
     let mut changes = BTreeMap::new();
-    for (flag, apply) in CHANGEABLE {
-        let Some(value) = given.get(*flag) else {
+    for (flag, path, _) in OPTIONS {
+        if path.is_empty() {
             continue;
-        };
-        let before = serde_json::to_value(&merged).map_err(|e| e.to_string())?;
-        apply(&mut merged, session);
-        if serde_json::to_value(&merged).map_err(|e| e.to_string())? != before {
-            changes.insert((*flag).to_string(), value.clone());
+        }
+        let now = pointer(&merged_value, path);
+        if now != pointer(&stored_value, path) {
+            changes.insert((*flag).to_string(), now.cloned().unwrap_or(Value::Null));
         }
     }
     Ok((merged, changes))
@@ -209,56 +346,10 @@ pub fn merge(
 
 /// Where the journal's run line records an option.
 fn journal_path(flag: &str) -> Option<&'static [&'static str]> {
-    Some(match flag {
-        "data" => &["data"],
-        "synthetic" => &["synthetic"],
-        "synthetic-seed" => &["synthetic_seed"],
-        "stage" => &["stage"],
-        "synthetic-us-per-token" => &["synthetic_us_per_token"],
-        "epochs" => &["epochs"],
-        "mode" => &["planner", "mode"],
-        "interleave" => &["planner", "interleave"],
-        "buckets" => &["planner", "buckets"],
-        "token-budget" => &["planner", "token_budget"],
-        "max-len" => &["planner", "max_len"],
-        "on-overlong" => &["planner", "on_overlong"],
-        "accum" => &["planner", "accum"],
-        "seed" => &["planner", "seed"],
-        "target-model" => &["dflash", "target_model"],
-        "target-layer-ids" => &["dflash", "target_layer_ids"],
-        "draft-layers" => &["dflash", "draft_layers"],
-        "block-size" => &["dflash", "block_size"],
-        "num-anchors" => &["dflash", "num_anchors"],
-        "mask-token-id" => &["dflash", "mask_token_id"],
-        "lr" => &["dflash", "lr"],
-        "warmup-ratio" => &["dflash", "warmup_ratio"],
-        "clip" => &["dflash", "clip"],
-        "gamma" => &["dflash", "gamma"],
-        "loss" => &["dflash", "loss"],
-        "kd-temperature" => &["dflash", "kd_temperature"],
-        "kd-weight" => &["dflash", "kd_weight"],
-        "weight-decay" => &["dflash", "weight_decay"],
-        "save-every" => &["dflash", "save_every"],
-        "keep-checkpoints" => &["dflash", "keep_checkpoints"],
-        "dtype" => &["dflash", "dtype"],
-        "feature-dtype" => &["dflash", "feature_dtype"],
-        "anchor-chunk" => &["dflash", "anchor_chunk"],
-        "on-nonfinite" => &["dflash", "on_nonfinite"],
-        "eval-every" => &["eval", "every"],
-        "eval-prompts" => &["eval", "prompts"],
-        "eval-holdout" => &["eval", "holdout"],
-        "eval-max-new-tokens" => &["eval", "max_new_tokens"],
-        "gpus" => &["gpus"],
-        "topology" => &["topology"],
-        "metrics-addr" => &["metrics_addr"],
-        "job-timeout" => &["job_timeout_s"],
-        "stop-grace" => &["stop_grace_s"],
-        "heartbeat-timeout" => &["heartbeat_timeout_s"],
-        "monitor-interval" => &["monitor_interval_s"],
-        "max-restarts" => &["max_restarts"],
-        "restart-window" => &["restart_window_s"],
-        _ => return None,
-    })
+    OPTIONS
+        .iter()
+        .find(|(f, path, _)| *f == flag && !path.is_empty())
+        .map(|(_, path, _)| *path)
 }
 
 fn pointer<'a>(value: &'a Value, path: &[&str]) -> Option<&'a Value> {
@@ -411,8 +502,105 @@ mod tests {
         assert_eq!(merged.epochs, 2);
         assert_eq!(
             changes.keys().collect::<Vec<_>>(),
-            ["gpus", "max-restarts"],
-            "job-timeout was given with the run's value: no change"
+            ["gpus", "max-restarts", "topology"],
+            "job-timeout was given with the run's value: no change; the topology came with --gpus"
+        );
+    }
+
+    /// One table for every option of `launch`: each is compared, changeable or not part of the
+    /// run, and each recorded one has a place in the journal's run line.
+    #[test]
+    fn every_launch_option_is_in_the_resume_table() {
+        use clap::CommandFactory;
+        let cli = crate::cli::Cli::command();
+        let launch = cli.find_subcommand("launch").unwrap();
+        let mut options: Vec<String> = launch
+            .get_arguments()
+            .filter_map(|a| a.get_long().map(str::to_owned))
+            .filter(|l| l != "help" && l != "verbose")
+            .collect();
+        options.sort();
+        let mut table: Vec<String> = OPTIONS.iter().map(|(f, _, _)| (*f).to_owned()).collect();
+        table.sort();
+        assert_eq!(
+            options, table,
+            "launch's options and the resume table differ"
+        );
+        let recorded = serde_json::to_value(config()).unwrap();
+        let mut with_everything = config();
+        with_everything.dflash = Some(crate::runtime::memory::tests::settings(512));
+        with_everything.eval = Some(crate::runtime::eval::EvalConfig {
+            every: 1,
+            prompts: None,
+            holdout: 1,
+            max_new_tokens: 1,
+        });
+        let full = serde_json::to_value(&with_everything).unwrap();
+        for (flag, path, on) in OPTIONS {
+            match on {
+                NotRun => assert!(path.is_empty(), "{flag}"),
+                _ => {
+                    let top = path.first().unwrap();
+                    assert!(
+                        recorded.get(top).is_some() || full.get(top).is_some(),
+                        "--{flag}: the run line has no {path:?}"
+                    );
+                    if path.len() > 1 {
+                        assert!(pointer(&full, path).is_some(), "--{flag}: no {path:?}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// A resume that takes on evaluations records everything they bring, and never swaps
+    /// held-out samples for a prompts file.
+    #[test]
+    fn a_resume_records_every_option_it_changes() {
+        use crate::runtime::eval::EvalConfig;
+        let eval = |every, holdout, prompts: Option<&str>, max_new| EvalConfig {
+            every,
+            prompts: prompts.map(PathBuf::from),
+            holdout,
+            max_new_tokens: max_new,
+        };
+        let mut session = config();
+        session.eval = Some(eval(5, 0, Some("p.jsonl"), 40));
+        let (_, changes) = merge(
+            config(),
+            &given(
+                &["eval-every", "eval-prompts", "eval-max-new-tokens"],
+                &session,
+            ),
+            &session,
+        )
+        .unwrap();
+        assert_eq!(
+            changes.keys().collect::<Vec<_>>(),
+            [
+                "eval-every",
+                "eval-holdout",
+                "eval-max-new-tokens",
+                "eval-prompts"
+            ],
+            "the whole of the evaluations arrived (none held out)"
+        );
+        assert_eq!(changes["eval-prompts"], "p.jsonl");
+        // Another prompts file for a run evaluating a file: taken and recorded.
+        let mut stored = config();
+        stored.eval = Some(eval(5, 0, Some("p.jsonl"), 40));
+        session.eval = Some(eval(5, 0, Some("q.jsonl"), 40));
+        let (merged, changes) =
+            merge(stored, &given(&["eval-prompts"], &session), &session).unwrap();
+        assert_eq!(merged.eval.unwrap().prompts, Some(PathBuf::from("q.jsonl")));
+        assert_eq!(changes.keys().collect::<Vec<_>>(), ["eval-prompts"]);
+        // A prompts file for a run evaluating held-out samples: refused.
+        let mut stored = config();
+        stored.eval = Some(eval(5, 32, None, 40));
+        let e = merge(stored, &given(&["eval-prompts"], &session), &session).unwrap_err();
+        assert!(
+            e.contains("--eval-prompts q.jsonl (the run evaluates 32 samples held out"),
+            "{e}"
         );
     }
 

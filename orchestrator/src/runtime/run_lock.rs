@@ -104,6 +104,43 @@ pub fn check_run_dir_trust(dir: &Path) -> Result<bool, RunError> {
     Ok(true)
 }
 
+/// Refuses a run directory whose files that a launch writes (`run.lock`, the journal, the
+/// metrics, the workers' logs) are not regular files of one link: a hard link planted there
+/// would have the run overwrite another file. Checked before anything is written; the files
+/// are opened the same way ([`crate::fsutil::open_own`]) when written.
+pub fn check_own_files(dir: &Path) -> Result<(), RunError> {
+    let mut paths = vec![
+        run_dir::lock(dir),
+        run_dir::journal(dir),
+        dir.join(super::metrics::FILE),
+    ];
+    if let Ok(logs) = std::fs::read_dir(super::workers::log_dir(dir)) {
+        paths.extend(logs.flatten().map(|e| e.path()));
+    }
+    for path in paths {
+        let Ok(meta) = std::fs::symlink_metadata(&path) else {
+            continue;
+        };
+        let why = if meta.file_type().is_symlink() {
+            "is a symbolic link".to_owned()
+        } else if !meta.is_file() {
+            "is not a regular file".to_owned()
+        } else if meta.nlink() != 1 {
+            format!(
+                "has {} hard links: writing to it would change another file too",
+                meta.nlink()
+            )
+        } else {
+            continue;
+        };
+        return Err(RunError::Invalid(format!(
+            "{} {why}; a run writes only files of its own (remove it first)",
+            path.display()
+        )));
+    }
+    Ok(())
+}
+
 /// Refuses a run directory whose run is live (its orchestrator holds the lock), creating nothing.
 pub fn check_not_live(dir: &Path) -> Result<(), RunError> {
     let path = run_dir::lock(dir);
