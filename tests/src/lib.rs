@@ -204,3 +204,34 @@ pub fn workspace_root() -> PathBuf {
 pub fn script(name: &str) -> PathBuf {
     workspace_root().join("scripts").join(name)
 }
+
+/// The pids of `parent`'s child processes, whichever of its threads started them.
+pub fn children(parent: u32) -> Vec<u32> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{parent}/task")) else {
+        return Vec::new();
+    };
+    tasks
+        .flatten()
+        .flat_map(|task| {
+            std::fs::read_to_string(task.path().join("children"))
+                .unwrap_or_default()
+                .split_whitespace()
+                .filter_map(|p| p.parse().ok())
+                .collect::<Vec<u32>>()
+        })
+        .collect()
+}
+
+/// The child of `parent` whose command line holds `flag` (e.g. a `dflash-worker --eval`), once
+/// it runs.
+pub fn child_with(parent: u32, flag: &str, deadline: Duration) -> u32 {
+    let mut found = None;
+    wait_until(&format!("a child with {flag}"), deadline, || {
+        found = children(parent).into_iter().find(|&c| {
+            std::fs::read(format!("/proc/{c}/cmdline"))
+                .is_ok_and(|cmd| cmd.split(|&b| b == 0).any(|arg| arg == flag.as_bytes()))
+        });
+        found.is_some()
+    });
+    found.expect("waited for it")
+}

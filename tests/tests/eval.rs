@@ -9,7 +9,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use candle_core::Device;
-use dflash_e2e::{alive, assert_refused, bin, orch, signal, stdout_ok, wait_until};
+use dflash_e2e::{alive, assert_refused, bin, child_with, orch, signal, stdout_ok, wait_until};
 use dflash_worker::checkpoint;
 use dflash_worker::model::drafter::{Drafter, DrafterConfig};
 use dflash_worker::model::qwen3::read_config;
@@ -348,15 +348,6 @@ fn a_damaged_checkpoint_is_refused_naming_the_fault_not_reported_as_lossless() {
     );
 }
 
-/// The pids of `parent`'s child processes.
-fn children(parent: u32) -> Vec<u32> {
-    std::fs::read_to_string(format!("/proc/{parent}/task/{parent}/children"))
-        .unwrap_or_default()
-        .split_whitespace()
-        .filter_map(|p| p.parse().ok())
-        .collect()
-}
-
 fn eval_child(s: &Setup, tmp: &Path, extra: &[&str]) -> std::process::Child {
     let mut args = vec![
         "eval",
@@ -379,15 +370,7 @@ fn eval_child(s: &Setup, tmp: &Path, extra: &[&str]) -> std::process::Child {
 
 /// The eval worker of the `dflash-orch eval` process `parent`, once it runs.
 fn eval_worker(parent: u32) -> u32 {
-    let mut found = None;
-    wait_until("the eval worker", Duration::from_secs(30), || {
-        found = children(parent).into_iter().find(|&c| {
-            std::fs::read(format!("/proc/{c}/cmdline"))
-                .is_ok_and(|cmd| String::from_utf8_lossy(&cmd).contains("--eval"))
-        });
-        found.is_some()
-    });
-    found.unwrap()
+    child_with(parent, "--eval", Duration::from_secs(30))
 }
 
 #[test]

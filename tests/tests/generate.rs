@@ -10,7 +10,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use candle_core::{DType, Device};
-use dflash_e2e::{assert_refused, bin, orch, signal, stdout_ok, wait_until};
+use dflash_e2e::{assert_refused, bin, children, orch, signal, stdout_ok, wait_until};
 use dflash_worker::model::qwen3::{Qwen3, load_heads};
 use dflash_worker::speculative::Target;
 use serde_json::Value;
@@ -261,15 +261,6 @@ fn a_killed_generate_resumes_to_the_same_file() {
         std::fs::read(&straight).unwrap(),
         "a lost worker changed the output"
     );
-}
-
-/// The pids of `parent`'s child processes.
-fn children(parent: u32) -> Vec<u32> {
-    std::fs::read_to_string(format!("/proc/{parent}/task/{parent}/children"))
-        .unwrap_or_default()
-        .split_whitespace()
-        .filter_map(|p| p.parse().ok())
-        .collect()
 }
 
 /// A minimal OpenAI-compatible server: lists one model and answers every chat completion with

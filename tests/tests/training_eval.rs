@@ -4,8 +4,12 @@
 
 use std::fs;
 use std::path::Path;
+use std::time::Duration;
 
-use dflash_e2e::{assert_refused, journal_events, orch, stdout_ok};
+use dflash_e2e::{
+    alive, assert_clean, assert_refused, bin, child_with, journal_events, orch, signal, status,
+    stdout_ok, wait_until,
+};
 use serde_json::Value;
 
 /// A store of `rows` samples: a prompt of 6 to 11 tokens, then a reply with loss.
@@ -201,4 +205,127 @@ fn a_run_that_cannot_be_evaluated_is_refused_at_launch() {
         "token id 900",
     );
     assert!(!run_dir.exists(), "nothing is left behind");
+}
+
+/// The launch of [`launch`] as a child process, its output piped.
+fn spawn_launch(
+    target: &Path,
+    run_dir: &Path,
+    store: &Path,
+    extra: &[&str],
+) -> std::process::Child {
+    let mut args = vec![
+        "launch",
+        "--gpus",
+        "cpu:3",
+        "--topology",
+        "2:1",
+        "--stage",
+        "dflash",
+        "--target-model",
+        target.to_str().unwrap(),
+        "--run-dir",
+        run_dir.to_str().unwrap(),
+        "--epochs",
+        "4",
+        "--max-len",
+        "64",
+        "--token-budget",
+        "512",
+        "--buckets",
+        "auto:2",
+        "--accum",
+        "2",
+        "--draft-layers",
+        "1",
+        "--num-anchors",
+        "8",
+        "--save-every",
+        "1000",
+        "--data",
+        store.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    std::process::Command::new(bin("dflash-orch"))
+        .args(&args)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// An eval worker that stops (SIGSTOP) during `--eval-every` never stalls the run: the control
+/// socket keeps answering, the worker is killed at its deadline and the evaluation reported as
+/// failed while training goes on; and a stop signal during a stopped evaluation ends the run at
+/// once, cleanly (an `end` line, no rings, no socket).
+#[test]
+fn a_stopped_eval_worker_never_stalls_the_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = dir.path().join("tiny");
+    stdout_ok(&orch(&["init-tiny", "--output", target.to_str().unwrap()]));
+    let store = store(dir.path(), 120);
+    let eval = [
+        "--eval-every",
+        "2",
+        "--eval-holdout",
+        "4",
+        "--eval-max-new-tokens",
+        "400",
+    ];
+
+    // 1. Stopped, then killed at the deadline; the run completes.
+    let run_dir = dir.path().join("deadline");
+    let mut flags = eval.to_vec();
+    flags.extend(["--job-timeout", "3"]);
+    let child = spawn_launch(&target, &run_dir, &store, &flags);
+    let worker = child_with(child.id(), "--eval", Duration::from_secs(120));
+    signal(worker as i32, "STOP");
+    // The control socket answers while the evaluation hangs.
+    let s = status(&run_dir);
+    assert!(s["run"].is_object(), "{s}");
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!alive(u64::from(worker)), "the stopped worker was killed");
+    let metrics = fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap();
+    let failed: Vec<Value> = metrics
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|l| l["kind"] == "event" && l["event"] == "eval_failed")
+        .collect();
+    assert!(
+        failed
+            .iter()
+            .any(|f| f.to_string().contains("--job-timeout")),
+        "{failed:?}"
+    );
+    assert_eq!(journal_events(&run_dir, "end")[0]["status"], "completed");
+
+    // 2. Stopped, then the run is interrupted (SIGINT, then SIGTERM): it ends at once.
+    for sig in ["INT", "TERM"] {
+        let run_dir = dir.path().join(format!("interrupted-{sig}"));
+        let child = spawn_launch(&target, &run_dir, &store, &eval);
+        let worker = child_with(child.id(), "--eval", Duration::from_secs(120));
+        signal(worker as i32, "STOP");
+        signal(child.id() as i32, sig);
+        let out = child.wait_with_output().unwrap();
+        assert_eq!(
+            out.status.code(),
+            Some(130),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        wait_until(
+            "the stopped worker to be gone",
+            Duration::from_secs(10),
+            || !alive(u64::from(worker)),
+        );
+        assert_eq!(journal_events(&run_dir, "end")[0]["status"], "interrupted");
+        assert_clean(&run_dir);
+        assert!(!dflash_common::run_dir::control_socket(&run_dir).exists());
+    }
 }
