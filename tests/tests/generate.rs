@@ -266,42 +266,289 @@ fn a_killed_generate_resumes_to_the_same_file() {
 /// A minimal OpenAI-compatible server: lists one model and answers every chat completion with
 /// the same reply; returns its URL and the request bodies it saw.
 fn fake_server() -> (String, std::sync::mpsc::Receiver<Value>) {
+    fake_server_with(Duration::ZERO, |_| {
+        (
+            200,
+            serde_json::json!({"choices": [{"message": {"role": "assistant", "content": "R-I-V-E-R"}, "finish_reason": "stop"}]})
+                .to_string(),
+        )
+    })
+}
+
+/// A server that waits `delay` before each completion and answers it with `answer(request)`:
+/// (HTTP status, body).
+fn fake_server_with(
+    delay: Duration,
+    answer: fn(&Value) -> (u16, String),
+) -> (String, std::sync::mpsc::Receiver<Value>) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         for stream in listener.incoming() {
             let Ok(mut stream) = stream else { break };
-            let mut reader = BufReader::new(stream.try_clone().unwrap());
-            let mut head = String::new();
-            let mut length = 0;
-            loop {
-                let mut line = String::new();
-                if reader.read_line(&mut line).unwrap_or(0) == 0 || line == "\r\n" {
-                    break;
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                let mut reader = BufReader::new(stream.try_clone().unwrap());
+                let mut head = String::new();
+                let mut length = 0;
+                loop {
+                    let mut line = String::new();
+                    if reader.read_line(&mut line).unwrap_or(0) == 0 || line == "\r\n" {
+                        break;
+                    }
+                    if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                        length = v.trim().parse().unwrap_or(0);
+                    }
+                    head.push_str(&line);
                 }
-                if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
-                    length = v.trim().parse().unwrap_or(0);
-                }
-                head.push_str(&line);
-            }
-            let mut body = vec![0; length];
-            let _ = reader.read_exact(&mut body);
-            let answer = if head.starts_with("GET /v1/models") {
-                serde_json::json!({"data": [{"id": "served-target"}]})
-            } else {
-                let _ = tx.send(serde_json::from_slice::<Value>(&body).unwrap_or_default());
-                serde_json::json!({"choices": [{"message": {"role": "assistant", "content": "R-I-V-E-R"}, "finish_reason": "stop"}]})
-            };
-            let text = answer.to_string();
-            let _ = write!(
-                stream,
-                "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{text}",
-                text.len()
-            );
+                let mut body = vec![0; length];
+                let _ = reader.read_exact(&mut body);
+                let (status, text) = if head.starts_with("GET /v1/models") {
+                    (
+                        200,
+                        serde_json::json!({"data": [{"id": "served-target"}]}).to_string(),
+                    )
+                } else {
+                    let request = serde_json::from_slice::<Value>(&body).unwrap_or_default();
+                    let _ = tx.send(request.clone());
+                    std::thread::sleep(delay);
+                    answer(&request)
+                };
+                let _ = write!(
+                    stream,
+                    "HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{text}",
+                    text.len()
+                );
+            });
         }
     });
     (url, rx)
+}
+
+/// Generate's options as `&str`s.
+fn strs(args: &[String]) -> Vec<&str> {
+    args.iter().map(String::as_str).collect()
+}
+
+/// Waits until the interrupted (or killed) generate of `output` has committed `rows` rows.
+fn wait_for_rows(output: &Path, rows: u64) {
+    let record = PathBuf::from(format!("{}.partial.json", output.display()));
+    wait_until("committed rows", Duration::from_secs(120), || {
+        std::fs::read(&record)
+            .ok()
+            .and_then(|t| serde_json::from_slice::<Value>(&t).ok())
+            .and_then(|v| v["rows"].as_u64())
+            .is_some_and(|r| r >= rows)
+    });
+}
+
+#[test]
+fn a_resume_never_mixes_two_inputs_and_names_what_changed() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = tiny(dir.path());
+    let (tokens, _) = inputs(dir.path(), 200);
+    let options = [
+        "--max-new-tokens",
+        "120",
+        "--batch-size",
+        "2",
+        "--gpus",
+        "cpu:1",
+    ];
+    let output = dir.path().join("out.jsonl");
+    let args = generate(&target, &tokens, &output, &options);
+    let child = Command::new(bin("dflash-orch"))
+        .args(strs(&args))
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for_rows(&output, 6);
+    // A clean stop: resumable.
+    signal(child.id() as i32, "INT");
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(130),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let resume = |extra: &[&str], input: &Path| {
+        let mut a = generate(&target, input, &output, &options);
+        a.push("--resume".into());
+        a.extend(extra.iter().map(|s| s.to_string()));
+        orch(&strs(&a))
+    };
+    // Another chat template.
+    assert_refused(
+        &resume(&["--chat-template", "llama3"], &tokens),
+        2,
+        "chat-template: recorded \"chatml\", now \"llama3\"",
+    );
+    // The input edited, its row count the same.
+    let text = std::fs::read_to_string(&tokens).unwrap();
+    std::fs::write(&tokens, text.replacen("[", "[7, ", 1)).unwrap();
+    assert_refused(&resume(&[], &tokens), 2, "input-hash: recorded");
+    std::fs::write(&tokens, &text).unwrap();
+    // Another model of the same shape at the same path.
+    let saved = dir.path().join("tiny-saved");
+    std::fs::rename(&target, &saved).unwrap();
+    stdout_ok(&orch(&[
+        "init-tiny",
+        "--output",
+        target.to_str().unwrap(),
+        "--seed",
+        "7",
+        "--force",
+    ]));
+    assert_refused(&resume(&[], &tokens), 2, "target-weights: recorded");
+    std::fs::remove_dir_all(&target).unwrap();
+    std::fs::rename(&saved, &target).unwrap();
+    // Only what may change (the workers): it goes on, and ends equal to an uninterrupted run.
+    let mut other = generate(
+        &target,
+        &tokens,
+        &output,
+        &[
+            "--max-new-tokens",
+            "120",
+            "--batch-size",
+            "2",
+            "--gpus",
+            "cpu:2",
+            "--resume",
+        ],
+    );
+    other.push("--json".into());
+    let summary: Value = serde_json::from_str(&stdout_ok(&orch(&strs(&other)))).unwrap();
+    assert!(summary["resumed_rows"].as_u64().unwrap() >= 6, "{summary}");
+    let straight = dir.path().join("straight.jsonl");
+    stdout_ok(&orch(&strs(&generate(
+        &target, &tokens, &straight, &options,
+    ))));
+    assert_eq!(
+        std::fs::read(&output).unwrap(),
+        std::fs::read(&straight).unwrap()
+    );
+    let meta: Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("out.jsonl.meta.json")).unwrap())
+            .unwrap();
+    for field in [
+        "input_hash",
+        "chat_template",
+        "chat_template_hash",
+        "tokenizer_hash",
+        "target_weights",
+    ] {
+        assert!(!meta["settings"][field].is_null(), "{field}: {meta}");
+    }
+}
+
+#[test]
+fn a_slow_server_is_left_at_once_on_a_stop_signal_and_the_output_resumes() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = tiny(dir.path());
+    let (tokens, _) = inputs(dir.path(), 12);
+    // Every completion takes 30 s.
+    let (url, requests) = fake_server_with(Duration::from_secs(30), |_| {
+        (
+            200,
+            serde_json::json!({"choices": [{"text": "R", "finish_reason": "stop"}]}).to_string(),
+        )
+    });
+    for sig in ["INT", "TERM"] {
+        let output = dir.path().join(format!("slow-{sig}.jsonl"));
+        let args = generate(
+            &target,
+            &tokens,
+            &output,
+            &["--server", &url, "--batch-size", "4"],
+        );
+        let child = Command::new(bin("dflash-orch"))
+            .args(strs(&args))
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        // A request in flight, then the signal.
+        requests.recv_timeout(Duration::from_secs(30)).unwrap();
+        let sent = std::time::Instant::now();
+        signal(child.id() as i32, sig);
+        let out = child.wait_with_output().unwrap();
+        assert_eq!(
+            out.status.code(),
+            Some(130),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            sent.elapsed() < Duration::from_secs(20),
+            "the stop waited for the server: {:?}",
+            sent.elapsed()
+        );
+        assert!(String::from_utf8_lossy(&out.stderr).contains("--resume"));
+        // Resumable: the leftovers are named, and --resume takes them.
+        assert!(PathBuf::from(format!("{}.partial.json", output.display())).exists());
+        while requests.try_recv().is_ok() {}
+    }
+}
+
+#[test]
+fn server_replies_are_bounded_and_its_errors_quoted_briefly() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = tiny(dir.path());
+    let (tokens, _) = inputs(dir.path(), 3);
+    // 560 KB of text for --max-new-tokens 16.
+    let (url, _) = fake_server_with(Duration::ZERO, |_| {
+        let text = "river ".repeat(93_000);
+        (
+            200,
+            serde_json::json!({"choices": [{"text": text, "finish_reason": "stop"}]}).to_string(),
+        )
+    });
+    let output = dir.path().join("cut.jsonl");
+    let args = generate(
+        &target,
+        &tokens,
+        &output,
+        &["--server", &url, "--max-new-tokens", "16", "--json"],
+    );
+    let summary: Value = serde_json::from_str(&stdout_ok(&orch(&strs(&args)))).unwrap();
+    assert_eq!(summary["replies_cut"], 3, "{summary}");
+    for row in lines(&output) {
+        let ids = row["input_ids"].as_array().unwrap().len();
+        let response = row["loss_mask"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|m| **m == 1)
+            .count();
+        assert_eq!(response, 16, "{row}");
+        assert!(ids <= 16 + 12, "{row}");
+    }
+    let meta: Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("cut.jsonl.meta.json")).unwrap())
+            .unwrap();
+    assert_eq!(meta["replies_cut"], 3);
+    // A 500 with a 5 MB body: the error quotes a few hundred bytes of it.
+    let (url, _) = fake_server_with(Duration::ZERO, |_| (500, "x".repeat(5 << 20)));
+    let output = dir.path().join("failed.jsonl");
+    let args = generate(&target, &tokens, &output, &["--server", &url]);
+    let out = orch(&strs(&args));
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("answered 500"),
+        "{}",
+        &err[..err.len().min(500)]
+    );
+    assert!(
+        err.contains("(5242880 bytes in all)"),
+        "{}",
+        &err[..err.len().min(500)]
+    );
+    assert!(err.len() < 4096, "{} bytes on stderr", err.len());
 }
 
 #[test]
