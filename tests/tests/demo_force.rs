@@ -161,3 +161,20 @@ fn force_replaces_an_earlier_demo() {
         50
     );
 }
+
+/// The smallest demo runs to its figures (its tenths are single steps, said so) instead of
+/// failing after training.
+#[test]
+fn the_smallest_demo_shows_its_figures_with_a_note() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("small");
+    let out = demo(&dir, &["--samples", "50", "--epochs", "1"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("note       only"), "{err}");
+    assert!(
+        err.contains("optimiser steps (--samples 50 --epochs 1)"),
+        "{err}"
+    );
+    assert!(err.contains("result     over"), "{err}");
+}

@@ -617,3 +617,169 @@ fn the_dry_run_refuses_what_a_launch_refuses_with_the_same_message() {
         );
     }
 }
+
+/// Every interval and timeout option has one range wherever it appears, checked when the line
+/// is parsed: out of it, exit 2 naming the option and the range, nothing written.
+#[test]
+fn every_interval_and_timeout_has_one_range_wherever_it_appears() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    let output = dir.path().join("out.jsonl");
+    let o = output.to_str().unwrap();
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (
+            vec![
+                "generate",
+                "--target-model",
+                d,
+                "--input",
+                d,
+                "--output",
+                o,
+                "--job-timeout",
+                "18446744073709551615",
+            ],
+            "1 to 604800 seconds",
+        ),
+        (
+            vec![
+                "generate",
+                "--target-model",
+                d,
+                "--input",
+                d,
+                "--output",
+                o,
+                "--job-timeout",
+                "0",
+            ],
+            "1 to 604800 seconds",
+        ),
+        (
+            vec![
+                "eval",
+                "--target-model",
+                d,
+                "--drafter",
+                d,
+                "--prompts",
+                o,
+                "--job-timeout",
+                "1e9",
+            ],
+            "1 to 604800 seconds",
+        ),
+        (
+            vec![
+                "launch",
+                "--synthetic",
+                "10",
+                "--run-dir",
+                d,
+                "--job-timeout",
+                "0.5",
+            ],
+            "1 to 604800 seconds",
+        ),
+        (
+            vec!["top", "--run-dir", d, "--interval", "1e-300"],
+            "0.05 to 3600 seconds",
+        ),
+        (
+            vec!["top", "--run-dir", d, "--interval", "0"],
+            "0.05 to 3600 seconds",
+        ),
+        (
+            vec!["status", "--run-dir", d, "--watch", "1e-300"],
+            "0.05 to 3600 seconds",
+        ),
+        (
+            vec![
+                "launch",
+                "--synthetic",
+                "10",
+                "--run-dir",
+                d,
+                "--monitor-interval",
+                "1e-300",
+            ],
+            "0.05 to 3600 seconds",
+        ),
+    ];
+    for (args, range) in cases {
+        let out = orch(&args);
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        let option = args
+            .iter()
+            .find(|a| {
+                a.starts_with("--")
+                    && (a.contains("timeout") || a.contains("interval") || a.contains("watch"))
+            })
+            .unwrap();
+        assert!(
+            err.contains(option) && err.contains(range),
+            "{args:?}: {err}"
+        );
+        assert!(!err.contains("panicked"), "{err}");
+        assert!(
+            entries(dir.path()).is_empty(),
+            "{args:?} wrote {:?}",
+            entries(dir.path())
+        );
+    }
+}
+
+/// `restart` (and every control client) against a socket that answers garbage, or nothing:
+/// the socket is named and the message says the run does not answer.
+#[test]
+fn a_control_socket_that_answers_garbage_or_nothing_is_named() {
+    use std::io::{BufRead, Write};
+    use std::os::unix::net::UnixListener;
+    for (answer, needle) in [
+        (
+            Some("garbage\n"),
+            "answered something that is not a control answer",
+        ),
+        (
+            Some("null\n"),
+            "answered something that is not a control answer",
+        ),
+        (
+            Some("{\"ok\":true}\n"),
+            "answered the restart without naming a worker",
+        ),
+        (None, "the run does not answer on"),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dflash_common::run_dir::control_socket(dir.path());
+        let listener = UnixListener::bind(&socket).unwrap();
+        fs::set_permissions(&socket, fs::Permissions::from_mode(0o600)).unwrap();
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { break };
+                let mut line = String::new();
+                let _ = std::io::BufReader::new(&stream).read_line(&mut line);
+                match answer {
+                    Some(a) => {
+                        let _ = stream.write_all(a.as_bytes());
+                    }
+                    // Silent: holds the connection open.
+                    None => std::thread::sleep(Duration::from_secs(30)),
+                }
+            }
+        });
+        let out = orch(&[
+            "restart",
+            "--run-dir",
+            dir.path().to_str().unwrap(),
+            "--worker",
+            "0",
+        ]);
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert!(err.contains(needle), "{err}");
+        assert!(err.contains("control.sock"), "{err}");
+        assert!(!err.contains("restarting worker"), "{err}");
+    }
+}

@@ -815,3 +815,34 @@ fn broken_save_to_disk_directory() {
     assert!(String::from_utf8_lossy(&failed.stderr).contains("unreadable_file"));
     assert_only(dir.path(), &["ds"]);
 }
+
+/// Auto-detection on a file whose bytes are not UTF-8 says so, with the line and the byte, as
+/// it does wherever the bad line is the first record.
+#[test]
+fn invalid_utf8_is_named_with_its_line_and_byte_when_the_format_is_detected() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("store");
+    for (text, line, byte) in [
+        (
+            &b"{\"messages\": [{\"role\": \"user\", \"content\": \"hi \xff\"}]}\n"[..],
+            1,
+            47,
+        ),
+        (
+            &b"\n\n{\"conversations\": [{\"from\": \"human\", \"value\": \"\xc3\"}]}\n"[..],
+            3,
+            48,
+        ),
+        (&b"{\"input_ids\": [1, 2], \"note\": \"\xfe\"}\n"[..], 1, 32),
+    ] {
+        let input = dir.path().join("conv.jsonl");
+        fs::write(&input, text).unwrap();
+        let o = prepare(&["--input", arg(&input), "--output", arg(&out)]);
+        assert_refused(
+            &o,
+            2,
+            &format!("conv.jsonl:{line}: invalid UTF-8 at byte {byte} of the line"),
+        );
+        assert!(!out.exists());
+    }
+}

@@ -329,3 +329,33 @@ fn a_stopped_eval_worker_never_stalls_the_run() {
         assert!(!dflash_common::run_dir::control_socket(&run_dir).exists());
     }
 }
+
+/// A holdout that leaves nothing to train on is refused before anything starts, saying the
+/// samples were held out (not "dropped"); one that leaves something runs.
+#[test]
+fn a_holdout_of_the_whole_store_is_refused_up_front() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = dir.path().join("tiny");
+    stdout_ok(&orch(&["init-tiny", "--output", target.to_str().unwrap()]));
+    let store = store(dir.path(), 40);
+    let run_dir = dir.path().join("run");
+    for holdout in ["40", "41", "1000"] {
+        let out = launch(
+            &target,
+            &run_dir,
+            &["--data", store.to_str().unwrap()],
+            &["--eval-every", "5", "--eval-holdout", holdout],
+        );
+        assert_refused(
+            &out,
+            2,
+            &format!("--eval-holdout {holdout}: the store has 40 samples to train on"),
+        );
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("leaves none") && !err.contains("dropped"),
+            "{err}"
+        );
+        assert!(!run_dir.exists());
+    }
+}
