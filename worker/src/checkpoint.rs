@@ -496,6 +496,76 @@ mod tests {
         fs::remove_dir_all(&root).unwrap();
     }
 
+    /// A checkpoint changed by hand is refused at resume, naming the tensor: a dtype relabelled
+    /// (the same bytes read as other numbers), NaN or infinite values, in the weights or the
+    /// optimiser's moments.
+    #[test]
+    fn a_damaged_checkpoint_is_refused_at_resume_naming_the_tensor() {
+        let cases: [(&str, &str, fn(&mut Vec<u8>, &str)); 4] = [
+            ("model.safetensors", "tensor fc.weight is I32", |b, _| {
+                relabel(b, "fc.weight", "I32")
+            }),
+            (
+                "model.safetensors",
+                "tensor norm.weight holds a non-finite value (inf",
+                |b, _| fill(b, "norm.weight", f32::INFINITY),
+            ),
+            (
+                "model.safetensors",
+                "tensor fc.weight holds a non-finite value (NaN",
+                |b, _| fill(b, "fc.weight", f32::NAN),
+            ),
+            (
+                "optimizer.safetensors",
+                "tensor v.fc.weight holds a non-finite value",
+                |b, _| fill(b, "v.fc.weight", f32::NEG_INFINITY),
+            ),
+        ];
+        for (i, (file, want, damage)) in cases.into_iter().enumerate() {
+            let root = temp_root(&format!("damaged-{i}"));
+            save(&root, &snapshot(5), 2).unwrap();
+            let path = root.join("step-5").join(file);
+            let mut bytes = fs::read(&path).unwrap();
+            damage(&mut bytes, file);
+            fs::write(&path, bytes).unwrap();
+            let e = load_latest(&root).unwrap_err().to_string();
+            assert!(e.contains(want), "{want}: {e}");
+            assert!(e.contains(file), "{e}");
+            fs::remove_dir_all(&root).unwrap();
+        }
+    }
+
+    /// The header (JSON table) and data of a safetensors file.
+    fn split(bytes: &[u8]) -> (Value, usize) {
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        (serde_json::from_slice(&bytes[8..8 + n]).unwrap(), 8 + n)
+    }
+
+    fn relabel(bytes: &mut Vec<u8>, name: &str, dtype: &str) {
+        let (mut header, start) = split(bytes);
+        header[name]["dtype"] = dtype.into();
+        let mut text = header.to_string().into_bytes();
+        text.resize(start - 8, b' ');
+        assert_eq!(
+            text.len(),
+            start - 8,
+            "the new table fits the old one's room"
+        );
+        bytes[8..start].copy_from_slice(&text);
+    }
+
+    fn fill(bytes: &mut [u8], name: &str, value: f32) {
+        let (header, start) = split(bytes);
+        let offsets = &header[name]["data_offsets"];
+        let (a, b) = (
+            start + offsets[0].as_u64().unwrap() as usize,
+            start + offsets[1].as_u64().unwrap() as usize,
+        );
+        for chunk in bytes[a..b].chunks_exact_mut(4) {
+            chunk.copy_from_slice(&value.to_le_bytes());
+        }
+    }
+
     #[test]
     fn weights_use_the_hugging_face_names_and_pt_metadata() {
         let root = temp_root("b");
