@@ -205,19 +205,36 @@ pub fn script(name: &str) -> PathBuf {
     workspace_root().join("scripts").join(name)
 }
 
-/// The pids of `parent`'s child processes, whichever of its threads started them.
+/// The pids of `parent`'s child processes, whichever of its threads started them: from each
+/// thread's `children` file, or, on a kernel without those files, from every process's parent.
 pub fn children(parent: u32) -> Vec<u32> {
-    let Ok(tasks) = std::fs::read_dir(format!("/proc/{parent}/task")) else {
+    if std::path::Path::new(&format!("/proc/{parent}/task/{parent}/children")).exists() {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{parent}/task")) else {
+            return Vec::new();
+        };
+        return tasks
+            .flatten()
+            .flat_map(|task| {
+                std::fs::read_to_string(task.path().join("children"))
+                    .unwrap_or_default()
+                    .split_whitespace()
+                    .filter_map(|p| p.parse().ok())
+                    .collect::<Vec<u32>>()
+            })
+            .collect();
+    }
+    let Ok(all) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };
-    tasks
-        .flatten()
-        .flat_map(|task| {
-            std::fs::read_to_string(task.path().join("children"))
-                .unwrap_or_default()
-                .split_whitespace()
-                .filter_map(|p| p.parse().ok())
-                .collect::<Vec<u32>>()
+    all.flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            // The parent is the 4th field of `stat`, after the name in parentheses.
+            std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+                stat.rsplit_once(')')
+                    .and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok())
+                    == Some(parent)
+            })
         })
         .collect()
 }

@@ -64,7 +64,8 @@ fn setup() -> Setup {
     }
 }
 
-fn eval(s: &Setup, drafter: &Path, extra: &[&str]) -> std::process::Output {
+/// `eval` of `drafter` on the setup's target and prompts, then `extra`.
+fn eval_args<'a>(s: &'a Setup, drafter: &'a Path, extra: &[&'a str]) -> Vec<&'a str> {
     let mut args = vec![
         "eval",
         "--target-model",
@@ -75,7 +76,11 @@ fn eval(s: &Setup, drafter: &Path, extra: &[&str]) -> std::process::Output {
         s.prompts.to_str().unwrap(),
     ];
     args.extend_from_slice(extra);
-    orch(&args)
+    args
+}
+
+fn eval(s: &Setup, drafter: &Path, extra: &[&str]) -> std::process::Output {
+    orch(&eval_args(s, drafter, extra))
 }
 
 #[test]
@@ -349,23 +354,18 @@ fn a_damaged_checkpoint_is_refused_naming_the_fault_not_reported_as_lossless() {
 }
 
 fn eval_child(s: &Setup, tmp: &Path, extra: &[&str]) -> std::process::Child {
-    let mut args = vec![
-        "eval",
-        "--target-model",
-        s.target.to_str().unwrap(),
-        "--drafter",
-        s.drafter.to_str().unwrap(),
-        "--prompts",
-        s.prompts.to_str().unwrap(),
-    ];
-    args.extend_from_slice(extra);
-    Command::new(bin("dflash-orch"))
-        .args(&args)
-        .env("TMPDIR", tmp)
+    eval_command(s, &s.drafter, tmp, extra)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap()
+}
+
+/// `eval` as a command, with `TMPDIR` set to `tmp`.
+fn eval_command(s: &Setup, drafter: &Path, tmp: &Path, extra: &[&str]) -> Command {
+    let mut c = Command::new(bin("dflash-orch"));
+    c.args(eval_args(s, drafter, extra)).env("TMPDIR", tmp);
+    c
 }
 
 /// The eval worker of the `dflash-orch eval` process `parent`, once it runs.
@@ -499,19 +499,7 @@ fn eval_writes_no_request_file_and_follows_no_link_another_user_planted() {
 }
 
 fn orch_in(tmp: &Path, s: &Setup, drafter: &Path) -> std::process::Output {
-    Command::new(bin("dflash-orch"))
-        .args([
-            "eval",
-            "--target-model",
-            s.target.to_str().unwrap(),
-            "--drafter",
-            drafter.to_str().unwrap(),
-            "--prompts",
-            s.prompts.to_str().unwrap(),
-            "--max-new-tokens",
-            "4",
-        ])
-        .env("TMPDIR", tmp)
+    eval_command(s, drafter, tmp, &["--max-new-tokens", "4"])
         .output()
         .unwrap()
 }

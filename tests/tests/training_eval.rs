@@ -39,7 +39,14 @@ fn store(dir: &Path, rows: usize) -> std::path::PathBuf {
     store
 }
 
-fn launch(target: &Path, run_dir: &Path, data: &[&str], extra: &[&str]) -> std::process::Output {
+/// The arguments of a small DFlash launch of `epochs` epochs on `data`, then `extra`.
+fn launch_args<'a>(
+    target: &'a Path,
+    run_dir: &'a Path,
+    epochs: &'a str,
+    data: &[&'a str],
+    extra: &[&'a str],
+) -> Vec<&'a str> {
     let mut args = vec![
         "launch",
         "--gpus",
@@ -53,7 +60,7 @@ fn launch(target: &Path, run_dir: &Path, data: &[&str], extra: &[&str]) -> std::
         "--run-dir",
         run_dir.to_str().unwrap(),
         "--epochs",
-        "2",
+        epochs,
         "--max-len",
         "64",
         "--token-budget",
@@ -71,7 +78,11 @@ fn launch(target: &Path, run_dir: &Path, data: &[&str], extra: &[&str]) -> std::
     ];
     args.extend_from_slice(data);
     args.extend_from_slice(extra);
-    orch(&args)
+    args
+}
+
+fn launch(target: &Path, run_dir: &Path, data: &[&str], extra: &[&str]) -> std::process::Output {
+    orch(&launch_args(target, run_dir, "2", data, extra))
 }
 
 #[test]
@@ -207,47 +218,16 @@ fn a_run_that_cannot_be_evaluated_is_refused_at_launch() {
     assert!(!run_dir.exists(), "nothing is left behind");
 }
 
-/// The launch of [`launch`] as a child process, its output piped.
+/// The launch of [`launch`] (four epochs) as a child process, its output piped.
 fn spawn_launch(
     target: &Path,
     run_dir: &Path,
     store: &Path,
     extra: &[&str],
 ) -> std::process::Child {
-    let mut args = vec![
-        "launch",
-        "--gpus",
-        "cpu:3",
-        "--topology",
-        "2:1",
-        "--stage",
-        "dflash",
-        "--target-model",
-        target.to_str().unwrap(),
-        "--run-dir",
-        run_dir.to_str().unwrap(),
-        "--epochs",
-        "4",
-        "--max-len",
-        "64",
-        "--token-budget",
-        "512",
-        "--buckets",
-        "auto:2",
-        "--accum",
-        "2",
-        "--draft-layers",
-        "1",
-        "--num-anchors",
-        "8",
-        "--save-every",
-        "1000",
-        "--data",
-        store.to_str().unwrap(),
-    ];
-    args.extend_from_slice(extra);
+    let data = ["--data", store.to_str().unwrap()];
     std::process::Command::new(bin("dflash-orch"))
-        .args(&args)
+        .args(launch_args(target, run_dir, "4", &data, extra))
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
