@@ -12,22 +12,25 @@ use std::ffi::{OsStr, OsString};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use dflash_common::dflash;
 use dflash_common::ring::{self, Ring};
 use dflash_orch::cli::Command;
+use dflash_orch::commands::eval::EvalArgs;
+use dflash_orch::commands::generate::GenerateArgs;
 use dflash_orch::commands::launch::{self, LaunchArgs};
 use dflash_orch::commands::plan::{self, PlanArgs};
 use dflash_orch::ingest::chat::{Template, parse_conversation};
 use dflash_orch::ingest::jsonl::parse_pretokenized;
+use dflash_orch::options::{INTERVAL_S, JOB_TIMEOUT_S};
 use dflash_orch::planner::{BucketSpec, Interleave, Mode, OverlongPolicy, Planner};
 use dflash_orch::runtime::RunConfig;
 use dflash_orch::runtime::control::parse_request;
 use dflash_orch::runtime::journal;
 use dflash_orch::runtime::launch_plan::check_options;
 use dflash_orch::runtime::resume;
-use dflash_orch::runtime::spec::{GpuSpec, Topology};
+use dflash_orch::runtime::spec::{Device, GpuSpec, Topology};
 use dflash_orch::store::{self, Store};
 use dflash_orch::workload::{parse_lengths, synthetic_lengths};
 
@@ -258,10 +261,12 @@ fn needs_resolver(addr: &str) -> bool {
     }
 }
 
-/// The commands the `options` target drives, picked by the input's first byte modulo 6 (the ASCII
-/// digits `0` to `4` pick them in this order); `5` hands the rest to the value parsers alone
-/// ([`option_values`]).
-pub const OPTION_COMMANDS: [&str; 5] = ["launch", "status", "plan", "prepare", "demo"];
+/// The commands the `options` target drives. The input's first byte, less `b'0'` (wrapping),
+/// modulo `OPTION_COMMANDS.len() + 1` (10) picks one, so the ASCII digits `0` to `8` pick them in
+/// this order; the last value (`9`) hands the rest to the value parsers alone ([`option_values`]).
+pub const OPTION_COMMANDS: [&str; 9] = [
+    "launch", "status", "plan", "prepare", "demo", "generate", "eval", "top", "report",
+];
 
 /// A whole command line: the first byte picks the command (see [`OPTION_COMMANDS`]), the rest is
 /// its arguments, one per line (a NUL also ends one; a final newline ends the last line, so
@@ -276,18 +281,36 @@ pub const OPTION_COMMANDS: [&str; 5] = ["launch", "status", "plan", "prepare", "
 ///   config. Paths are kept inside the scratch folder: `--target-model model` is a valid tiny
 ///   Qwen3 `config.json`, any other `--target-model` and every `--data` a path that does not
 ///   exist; a `--metrics-addr` that would go to the resolver becomes `0`.
-/// - `status`: `--watch` turned into a `Duration` as `status` does.
+/// - `status`: `--watch` inside the interval range, turned into a `Duration` as `status` does,
+///   and a deadline that far from now.
 /// - `plan`: `commands::plan::config_from_args`, then `Planner::new` on a small synthetic
 ///   workload (`--synthetic N`, at most 256 samples; 64 without it), `plan_epoch(--epoch)`,
 ///   `stats` and the summary.
-/// - `prepare`: `--format` and `--chat-template` parsed as `prepare` does first (its other checks
-///   need the input files).
-/// - `demo`: `cli::parse` only (its argument checks are private to `commands::demo`).
+/// - `prepare`: `commands::prepare::check_args` (`--format`, `--chat-template`, the option
+///   checks that need no input file).
+/// - `demo`: `commands::demo::check_args`.
+/// - `generate`: the `--temperature` check `generate` makes first (finite, not negative); then
+///   `--job-timeout` inside the job-deadline range, made into a `Duration` (the server's timeout,
+///   the pool's job deadline) and a deadline that far from now, `--gpus` resolved with no GPU and
+///   with 8 (without `--server`) and `--dtype` for what they give, and the sizes as `usize`
+///   (inside their ranges). Not driven: what reads `--target-model`, the inputs, the tokenizer
+///   and `--output`, and `--server` (a connection).
+/// - `eval`: `--job-timeout` as for `generate` (the worker's deadline per prompt), `--dtype` as
+///   `commands::eval::prepare` resolves it, and `--max-new-tokens`, `--block-size` and `--limit`
+///   as `usize` (inside their ranges). Not driven: the rest of `commands::eval::prepare` (it
+///   reads the target, the drafter and the prompts) and the worker.
+/// - `top`: `--interval` inside the interval range, made into a `Duration` (the poller's sleep)
+///   and a deadline that far from now, and the `View` it starts with (its fields are private to
+///   `commands::top`, so only `View::new` is driven). Not driven: the control socket and the
+///   terminal.
+/// - `report`: `cli::parse` only: everything it does with `--run-dir`, `--output` and `--title`
+///   reads the run directory (its page is private to `commands::report`).
 pub fn options(data: &[u8]) {
     use std::os::unix::ffi::OsStringExt;
 
     let (pick, rest) = flags(data);
-    let Some(&command) = OPTION_COMMANDS.get(usize::from(pick % 6)) else {
+    let pick = usize::from(pick.wrapping_sub(b'0')) % (OPTION_COMMANDS.len() + 1);
+    let Some(&command) = OPTION_COMMANDS.get(pick) else {
         return option_values(rest);
     };
     let rest = rest.strip_suffix(b"\n").unwrap_or(rest);
@@ -308,7 +331,7 @@ pub fn options(data: &[u8]) {
             if let Some(secs) = args.watch
                 && secs > 0.0
             {
-                let _ = Duration::from_secs_f64(secs);
+                seconds_within("--watch", secs, INTERVAL_S);
             }
         }
         Command::Plan(args) => plan_options(&args),
@@ -318,8 +341,81 @@ pub fn options(data: &[u8]) {
         Command::Demo(args) => {
             let _ = shown(dflash_orch::commands::demo::check_args(&args));
         }
+        Command::Generate(args) => generate_options(&args),
+        Command::Eval(args) => eval_options(&args),
+        Command::Top(args) => {
+            // `top::run` sleeps this long between two polls and shows it in its view.
+            seconds_within("--interval", args.interval, INTERVAL_S);
+            let _ = dflash_orch::commands::top::View::new(&args.run_dir, args.interval);
+        }
+        // `report` only reads its paths (and `--title` goes on the page as it is).
+        Command::Report(_) => {}
         _ => {}
     }
+}
+
+/// An option's seconds as the commands use them: inside the option's range (the value parser's
+/// promise), made into a `Duration` (which panics on a negative, non-finite or huge number) and
+/// into a deadline that far from now (which panics with "overflow when adding duration to
+/// instant" past what `Instant` holds: a huge `--job-timeout` once did).
+fn seconds_within(option: &str, secs: f64, (lo, hi): (f64, f64)) {
+    assert!(
+        secs.is_finite() && (lo..=hi).contains(&secs),
+        "{option} {secs} passed the parser outside {lo} to {hi}"
+    );
+    let _deadline = Instant::now() + Duration::from_secs_f64(secs);
+}
+
+/// `generate`'s arguments, as far as `generate::run` goes before it reads a file.
+fn generate_options(args: &GenerateArgs) {
+    // The first check of `generate::run`: a refused temperature ends the command there.
+    if !(args.temperature >= 0.0 && args.temperature.is_finite()) {
+        return;
+    }
+    // The server's request timeout and the pool's job deadline.
+    seconds_within("--job-timeout", args.job_timeout, JOB_TIMEOUT_S);
+    // With `--server` no worker runs; otherwise the devices, as many as the machine has.
+    if args.server.is_none() {
+        for gpus in [Err("no GPU".to_string()), Ok(8)] {
+            if let Some(devices) = shown(args.gpus.devices(gpus)) {
+                let gpu = devices.iter().any(|d| matches!(d, Device::Gpu(_)));
+                let _ = args.dtype.resolve(gpu);
+            }
+        }
+    }
+    // The sizes as `generate` uses them (a batch of rows, requests in flight at once).
+    let max_new = args.max_new_tokens as usize;
+    let (batch, concurrency) = (u64::from(args.batch_size), args.concurrency as usize);
+    assert!(
+        max_new >= 1 && batch >= 1 && concurrency >= 1,
+        "a size below 1 passed the parser"
+    );
+    let _ = (
+        args.seed,
+        args.stop_token_ids.as_deref(),
+        args.chat_template.name(),
+    );
+}
+
+/// `eval`'s arguments, as far as `eval::run` goes without reading a file.
+fn eval_options(args: &EvalArgs) {
+    // The worker's deadline for each prompt.
+    seconds_within("--job-timeout", args.job_timeout, JOB_TIMEOUT_S);
+    let max_new = args.max_new_tokens as usize;
+    let limit = args.limit.map(|n| n as usize);
+    let block_size = args.block_size.map(|b| b as usize);
+    assert!(max_new >= 1, "--max-new-tokens 0 passed the parser");
+    assert!(limit.is_none_or(|n| n >= 1), "--limit 0 passed the parser");
+    assert!(
+        block_size.is_none_or(|b| (2..=1024).contains(&b)),
+        "--block-size outside 2 to 1024 passed the parser"
+    );
+    let _ = args.dtype.resolve(args.gpu.is_some());
+    let _ = (
+        args.init_seed,
+        args.stop_token_ids.as_deref(),
+        args.ignore_eos,
+    );
 }
 
 /// `Some` of an `Ok`; an error's message is written out (to a string) as the command would.
@@ -484,7 +580,7 @@ fn plan_options(args: &PlanArgs) {
     }
 }
 
-/// Command-line option values alone (selector `5`): the text given to every option parser, and
+/// Command-line option values alone (selector `9`): the text given to every option parser, and
 /// what is done with the value next (validation against a machine or a max length).
 pub fn option_values(data: &[u8]) {
     let Ok(text) = std::str::from_utf8(data) else {
