@@ -123,7 +123,8 @@ impl DraftConfig {
         }
         // Every number has a range: a config changed by hand (or by an attacker) is refused
         // here, not met as a giant allocation or a meaningless result in the decoder.
-        let ranges: [(&str, usize, usize, usize); 8] = [
+        // Optional fields are checked when given (1 stands in for "absent").
+        let ranges: [(&str, usize, usize, usize); 10] = [
             ("block_size", block_size, 2, MAX_BLOCK_SIZE),
             ("hidden_size", raw.hidden_size, 1, 1 << 16),
             ("intermediate_size", raw.intermediate_size, 1, 1 << 20),
@@ -132,23 +133,23 @@ impl DraftConfig {
             ("num_key_value_heads", raw.num_key_value_heads, 1, 1024),
             ("head_dim", head_dim, 2, 1024),
             ("vocab_size", raw.vocab_size, 1, 1 << 24),
+            (
+                "num_target_layers",
+                raw.num_target_layers.unwrap_or(1),
+                1,
+                1024,
+            ),
+            (
+                "target_hidden_size",
+                raw.target_hidden_size.unwrap_or(1),
+                1,
+                1 << 16,
+            ),
         ];
         for (name, value, lo, hi) in ranges {
             if !(lo..=hi).contains(&value) {
                 return Err(format!("{name} {value} is out of range ({lo} to {hi})"));
             }
-        }
-        if let Some(n) = raw.num_target_layers
-            && !(1..=1024).contains(&n)
-        {
-            return Err(format!("num_target_layers {n} is out of range (1 to 1024)"));
-        }
-        if let Some(n) = raw.target_hidden_size
-            && !(1..=1 << 16).contains(&n)
-        {
-            return Err(format!(
-                "target_hidden_size {n} is out of range (1 to 65536)"
-            ));
         }
         if target_layer_ids.len() > 1024 {
             return Err(format!(

@@ -177,20 +177,13 @@ fn a_killed_generate_resumes_to_the_same_file() {
 
     let killed = dir.path().join("killed.jsonl");
     let args = generate(&target, &tokens, &killed, &options);
-    let record = dir.path().join("killed.jsonl.partial.json");
     let mut child = Command::new(bin("dflash-orch"))
         .args(&args)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let committed = || -> u64 {
-        std::fs::read(&record)
-            .ok()
-            .and_then(|t| serde_json::from_slice::<Value>(&t).ok())
-            .and_then(|v| v["rows"].as_u64())
-            .unwrap_or(0)
-    };
+    let committed = || committed_rows(&killed);
     wait_until("a few batches", Duration::from_secs(60), || {
         committed() >= 20
     });
@@ -226,21 +219,15 @@ fn a_killed_generate_resumes_to_the_same_file() {
     // A worker SIGKILLed mid-run: restarted, its batch redone, the same file.
     let lost = dir.path().join("lost-worker.jsonl");
     let args = generate(&target, &tokens, &lost, &options);
-    let record = dir.path().join("lost-worker.jsonl.partial.json");
     let child = Command::new(bin("dflash-orch"))
         .args(&args)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let rows = || -> u64 {
-        std::fs::read(&record)
-            .ok()
-            .and_then(|t| serde_json::from_slice::<Value>(&t).ok())
-            .and_then(|v| v["rows"].as_u64())
-            .unwrap_or(0)
-    };
-    wait_until("a few batches", Duration::from_secs(60), || rows() >= 10);
+    wait_until("a few batches", Duration::from_secs(60), || {
+        committed_rows(&lost) >= 10
+    });
     let worker = children(child.id())
         .into_iter()
         .next()
@@ -331,15 +318,19 @@ fn strs(args: &[String]) -> Vec<&str> {
     args.iter().map(String::as_str).collect()
 }
 
-/// Waits until the interrupted (or killed) generate of `output` has committed `rows` rows.
+/// The rows the running (or interrupted) generate of `output` has committed, as its record says.
+fn committed_rows(output: &Path) -> u64 {
+    std::fs::read(format!("{}.partial.json", output.display()))
+        .ok()
+        .and_then(|t| serde_json::from_slice::<Value>(&t).ok())
+        .and_then(|v| v["rows"].as_u64())
+        .unwrap_or(0)
+}
+
+/// Waits until the generate of `output` has committed `rows` rows.
 fn wait_for_rows(output: &Path, rows: u64) {
-    let record = PathBuf::from(format!("{}.partial.json", output.display()));
     wait_until("committed rows", Duration::from_secs(120), || {
-        std::fs::read(&record)
-            .ok()
-            .and_then(|t| serde_json::from_slice::<Value>(&t).ok())
-            .and_then(|v| v["rows"].as_u64())
-            .is_some_and(|r| r >= rows)
+        committed_rows(output) >= rows
     });
 }
 
