@@ -331,6 +331,19 @@ def main():
         features, _host = target_features(model, indices, lengths, tokens)
         if i >= args.warmup:
             t_times.append(time.perf_counter() - t0)
+    # The torch engine's own target (python/dflash_orch/target.py, what a torch target worker
+    # runs): each sequence as its own row, hooks on the layers needed, into a host buffer as into
+    # the mapped feature slot.
+    engine = engine_target(args.model, indices)
+    total = sum(lengths)
+    slot = torch.empty(total, len(indices) * engine.hidden)
+    e_times = []
+    for i in range(args.warmup + args.target_iters):
+        t0 = time.perf_counter()
+        engine.features_into(tokens, lengths, slot, token_budget=total)
+        if i >= args.warmup:
+            e_times.append(time.perf_counter() - t0)
+    engine_diff = (slot - features).abs().max().item()
     sd = model.state_dict()
     embedding = sd["model.embed_tokens.weight"].detach()
     lm_head = (sd["lm_head.weight"] if "lm_head.weight" in sd else embedding).detach()
@@ -343,13 +356,17 @@ def main():
     }
     d_times, losses, norms = train_steps(args, rust, init_path, features.detach(), embedding, lm_head, cfg)
 
-    total = sum(lengths)
     torch_t = statistics.median(t_times)
     torch_d = statistics.median(d_times)
     rust_t = rust["target"]["median_s"]
     rust_d = rust["drafter"]["timing"]["median_s"]
+    engine_t = statistics.median(e_times)
     rows = [
-        {"measurement": "target forward", "tokens": total,
+        {"measurement": "target forward, torch engine (dflash_orch)", "tokens": total,
+         "rust_ms": 1e3 * rust_t, "torch_ms": 1e3 * engine_t,
+         "rust_tokens_per_s": total / rust_t, "torch_tokens_per_s": total / engine_t,
+         "ratio": engine_t / rust_t},
+        {"measurement": "target forward, transformers padded batch", "tokens": total,
          "rust_ms": 1e3 * rust_t, "torch_ms": 1e3 * torch_t,
          "rust_tokens_per_s": total / rust_t, "torch_tokens_per_s": total / torch_t,
          "ratio": torch_t / rust_t},
@@ -388,7 +405,8 @@ def main():
     for r in rows:
         print(f"| {r['measurement']} | {r['tokens']} | {r['rust_ms']:.1f} | {r['torch_ms']:.1f} | "
               f"{r['rust_tokens_per_s']:,.0f} | {r['torch_tokens_per_s']:,.0f} | {r['ratio']:.2f}x |")
-    print(f"\ndrafter loss, step 0: dflash-orch {r_losses[0]:.6f}, PyTorch {losses[0]:.6f}; "
+    print(f"\ntorch engine features against transformers' hidden states: max |diff| {engine_diff:.2e}")
+    print(f"drafter loss, step 0: dflash-orch {r_losses[0]:.6f}, PyTorch {losses[0]:.6f}; "
           f"max |diff| over {len(losses)} steps {loss_diff:.2e}; grad norm max relative diff {norm_rel:.2e}")
     if other:
         print(f"other processes' share of CPUs {','.join(map(str, affinity))}: "
@@ -405,7 +423,8 @@ def main():
                  "losses": r_losses, "grad_norms": r_norms, "wall_s": rust_wall},
         "torch": {"version": torch.__version__, "transformers": transformers.__version__,
                   "threads": torch.get_num_threads(), "attention": args.torch_attn,
-                  "target_times_s": t_times, "train_times_s": d_times, "losses": losses, "grad_norms": norms},
+                  "target_times_s": t_times, "train_times_s": d_times, "losses": losses, "grad_norms": norms,
+                  "engine_target_times_s": e_times, "engine_features_max_abs_diff": engine_diff},
         "cpus": affinity,
         "other_processes_cpu_share": other,
         "workload": {k: v for k, v in wl.items() if k != "model"},
@@ -420,6 +439,21 @@ def main():
             json.dump(result, f, indent=1)
         os.replace(tmp, args.json)
     return 0
+
+
+def engine_target(model_dir, indices):
+    """The torch engine's target, from the tree's python/ (beside scripts/, or beside this file in
+    a packaged GPU check)."""
+    import torch
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    for root in (os.path.join(here, "python"), os.path.join(here, "..", "python")):
+        if os.path.isfile(os.path.join(root, "dflash_orch", "target.py")):
+            sys.path.insert(0, root)
+            break
+    from dflash_orch.target import TorchTarget
+
+    return TorchTarget(model_dir, indices, torch.float32, torch.device("cpu"))
 
 
 def wl_rope_theta(model_dir):

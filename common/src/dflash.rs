@@ -64,12 +64,165 @@ pub struct DflashSettings {
     /// evaluations (`--eval-every`).
     #[serde(default)]
     pub eval_every: Option<u64>,
-    /// The run fingerprint: for each thing that decides the trained weights (`target`, `data`,
-    /// `planner`, `seed`, `optimiser`, `drafter`, `loss`, `precision`, `epochs`), a hex hash of
-    /// it. Written into every checkpoint's `state.json`; a drafter refuses a checkpoint whose
-    /// fingerprint differs, naming the fields that differ.
+    /// The run fingerprint: for each thing that decides the trained weights (`target`,
+    /// `target_weights`, `data`, `planner`, `seed`, `optimiser`, `drafter`, `loss`, `precision`,
+    /// `engine`, `epochs`), a hex hash of it. Written into every checkpoint's `state.json`; a
+    /// drafter refuses a checkpoint whose fingerprint differs, naming the fields that differ.
     #[serde(default)]
     pub fingerprint: BTreeMap<String, String>,
+    /// The engine of each role (runs from before engines existed: candle for both).
+    #[serde(default)]
+    pub engines: Engines,
+    /// How the torch engine's compute child is started, when a role uses it.
+    #[serde(default)]
+    pub torch: Option<TorchRuntime>,
+    /// `--engine auto` on GPU workers, not decided yet: the launch's checks decide (they probe
+    /// the Python) before anything is written. Never written itself.
+    #[serde(skip)]
+    pub engine_auto: bool,
+}
+
+/// What computes a stage: candle (Rust, embedded) or torch (PyTorch and `transformers`, in a
+/// Python child of the worker).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Engine {
+    #[default]
+    Candle,
+    Torch,
+}
+
+impl Engine {
+    pub fn name(self) -> &'static str {
+        match self {
+            Engine::Candle => "candle",
+            Engine::Torch => "torch",
+        }
+    }
+}
+
+impl std::str::FromStr for Engine {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "candle" => Ok(Engine::Candle),
+            "torch" => Ok(Engine::Torch),
+            other => Err(format!(
+                "{other:?} is not an engine (expected candle or torch)"
+            )),
+        }
+    }
+}
+
+/// The engine of each role of a run. Written as `--engine` takes it: `candle`, `torch`, or
+/// `target=E,drafter=E`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(into = "String", try_from = "String")]
+pub struct Engines {
+    pub target: Engine,
+    pub drafter: Engine,
+}
+
+impl Engines {
+    pub fn both(engine: Engine) -> Self {
+        Self {
+            target: engine,
+            drafter: engine,
+        }
+    }
+
+    pub fn uses(self, engine: Engine) -> bool {
+        self.target == engine || self.drafter == engine
+    }
+}
+
+impl std::fmt::Display for Engines {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.target == self.drafter {
+            f.write_str(self.target.name())
+        } else {
+            write!(
+                f,
+                "target={},drafter={}",
+                self.target.name(),
+                self.drafter.name()
+            )
+        }
+    }
+}
+
+impl From<Engines> for String {
+    fn from(e: Engines) -> String {
+        e.to_string()
+    }
+}
+
+impl TryFrom<String> for Engines {
+    type Error = String;
+    fn try_from(s: String) -> Result<Self, String> {
+        s.parse()
+    }
+}
+
+impl std::str::FromStr for Engines {
+    type Err = String;
+
+    /// `candle`, `torch`, or `target=E,drafter=E` (either order, both named).
+    fn from_str(s: &str) -> Result<Self, String> {
+        let s = s.trim();
+        if !s.contains('=') {
+            return s.parse::<Engine>().map(Engines::both);
+        }
+        let (mut target, mut drafter) = (None, None);
+        for part in s.split(',') {
+            let (role, engine) = part
+                .split_once('=')
+                .ok_or_else(|| format!("{part:?} is not ROLE=ENGINE (e.g. target=torch)"))?;
+            let slot = match role.trim() {
+                "target" => &mut target,
+                "drafter" => &mut drafter,
+                other => {
+                    return Err(format!(
+                        "{other:?} is not a role (expected target or drafter)"
+                    ));
+                }
+            };
+            if slot.is_some() {
+                return Err(format!("{:?} is named twice", role.trim()));
+            }
+            *slot = Some(engine.parse::<Engine>()?);
+        }
+        match (target, drafter) {
+            (Some(target), Some(drafter)) => Ok(Engines { target, drafter }),
+            _ => Err(format!(
+                "{s:?} names one role: give both, e.g. target=torch,drafter=candle"
+            )),
+        }
+    }
+}
+
+/// How a worker starts the torch engine's compute child: `python -m dflash_orch.serve`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TorchRuntime {
+    /// The interpreter.
+    pub python: PathBuf,
+    /// A directory put first on `PYTHONPATH` (the tree's `python/`), when the package is not
+    /// installed in the interpreter.
+    #[serde(default)]
+    pub package_dir: Option<PathBuf>,
+}
+
+impl TorchRuntime {
+    /// The `PYTHONPATH` its Python runs with: `package_dir` first, then `existing` (the
+    /// caller's); None without a package directory (the package is installed).
+    pub fn python_path(&self, existing: Option<std::ffi::OsString>) -> Option<std::ffi::OsString> {
+        let dir = self.package_dir.as_ref()?;
+        let mut paths = vec![dir.clone()];
+        if let Some(existing) = existing {
+            paths.extend(std::env::split_paths(&existing));
+        }
+        Some(std::env::join_paths(paths).unwrap_or_else(|_| dir.as_os_str().to_owned()))
+    }
 }
 
 fn default_kd_temperature() -> f64 {
@@ -200,20 +353,44 @@ impl std::str::FromStr for Precision {
     }
 }
 
-/// The fields of a run fingerprint that differ between `ours` and `theirs` (missing on either side
-/// counts as different), in name order.
-pub fn fingerprint_differences(
+/// Fingerprint fields added after checkpoints first carried a fingerprint, each with what it
+/// covers. A checkpoint written before a field existed lacks it: that field cannot be checked
+/// against it, and only that absence is forgiven (a field the checkpoint has must still match).
+pub const FINGERPRINT_ADDED_LATER: &[(&str, &str)] = &[
+    (
+        "target_weights",
+        "a sample of the target's weights themselves",
+    ),
+    ("engine", "the engines that computed it"),
+];
+
+/// How two run fingerprints compare.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FingerprintComparison {
+    /// Fields that differ (missing on either side counts as different), in name order.
+    pub differ: Vec<String>,
+    /// Fields of [`FINGERPRINT_ADDED_LATER`] that `ours` has and an older `theirs` lacks.
+    pub unchecked: Vec<String>,
+}
+
+/// Compares this run's fingerprint `ours` with a checkpoint's `theirs`.
+pub fn compare_fingerprints(
     ours: &BTreeMap<String, String>,
     theirs: &BTreeMap<String, String>,
-) -> Vec<String> {
+) -> FingerprintComparison {
     let mut names: Vec<&String> = ours.keys().chain(theirs.keys()).collect();
     names.sort();
     names.dedup();
-    names
-        .into_iter()
-        .filter(|n| ours.get(*n) != theirs.get(*n))
-        .cloned()
-        .collect()
+    let mut out = FingerprintComparison::default();
+    for name in names {
+        let later = FINGERPRINT_ADDED_LATER.iter().any(|(n, _)| n == name);
+        match (ours.get(name), theirs.get(name)) {
+            (a, b) if a == b => {}
+            (Some(_), None) if later => out.unchecked.push(name.clone()),
+            _ => out.differ.push(name.clone()),
+        }
+    }
+    out
 }
 
 /// `config.json` fields of a Qwen3 target.
@@ -346,8 +523,11 @@ pub fn read_config(dir: &Path) -> Result<Qwen3Config, ModelDirError> {
     let path = dir.join("config.json");
     let text =
         std::fs::read(&path).map_err(|e| ModelDirError::new(&path, format!("cannot read: {e}")))?;
-    let config: Qwen3Config = serde_json::from_slice(&text)
+    let mut config: Qwen3Config = serde_json::from_slice(&text)
         .map_err(|e| ModelDirError::new(&path, format!("not a Qwen3 config: {e}")))?;
+    let raw: serde_json::Value = serde_json::from_slice(&text)
+        .map_err(|e| ModelDirError::new(&path, format!("not a Qwen3 config: {e}")))?;
+    config.rope_theta = rope_theta(&raw).map_err(|e| ModelDirError::new(&path, e))?;
     if !config.architectures.iter().any(|a| a == "Qwen3ForCausalLM") {
         return Err(ModelDirError::new(
             &path,
@@ -391,6 +571,38 @@ pub fn read_config(dir: &Path) -> Result<Qwen3Config, ModelDirError> {
         ));
     }
     Ok(config)
+}
+
+/// RoPE's base of a config: the top-level `rope_theta` (as transformers 4 writes it), else
+/// `rope_parameters.rope_theta` (transformers 5), else 10,000. Scaled RoPE (`rope_type` other than
+/// `default`, in `rope_parameters` or `rope_scaling`) is refused: the candle target computes plain
+/// RoPE, and a scaled one would give other hidden states without an error.
+pub fn rope_theta(raw: &serde_json::Value) -> Result<f64, String> {
+    for key in ["rope_parameters", "rope_scaling"] {
+        let Some(p) = raw.get(key).filter(|p| !p.is_null()) else {
+            continue;
+        };
+        let kind = p
+            .get("rope_type")
+            .or_else(|| p.get("type"))
+            .and_then(serde_json::Value::as_str)
+            .unwrap_or("default");
+        if kind != "default" {
+            return Err(format!(
+                "{key} has RoPE scaling {kind:?}, which the candle engine does not compute (the torch engine does: --engine target=torch,drafter=candle)"
+            ));
+        }
+    }
+    let theta = raw
+        .get("rope_theta")
+        .or_else(|| raw.get("rope_parameters").and_then(|p| p.get("rope_theta")));
+    match theta {
+        None | Some(serde_json::Value::Null) => Ok(default_rope_theta()),
+        Some(v) => v
+            .as_f64()
+            .filter(|t| t.is_finite() && *t > 0.0)
+            .ok_or_else(|| format!("rope_theta {v} is not a positive number")),
+    }
 }
 
 /// The safetensors files of a model directory.
@@ -564,6 +776,88 @@ impl DflashSettings {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rope_theta_is_read_where_either_transformers_writes_it_and_scaling_refused() {
+        use serde_json::json;
+        assert_eq!(rope_theta(&json!({"rope_theta": 1e6})), Ok(1e6));
+        assert_eq!(
+            rope_theta(&json!({"rope_parameters": {"rope_theta": 5e5, "rope_type": "default"}})),
+            Ok(5e5)
+        );
+        assert_eq!(rope_theta(&json!({})), Ok(10_000.0));
+        assert_eq!(
+            rope_theta(&json!({"rope_theta": 1e6, "rope_scaling": null})),
+            Ok(1e6)
+        );
+        for (bad, says) in [
+            (
+                json!({"rope_parameters": {"rope_theta": 5e5, "rope_type": "llama3", "factor": 8.0}}),
+                "rope_parameters has RoPE scaling \"llama3\"",
+            ),
+            (
+                json!({"rope_theta": 1e6, "rope_scaling": {"type": "yarn", "factor": 4.0}}),
+                "rope_scaling has RoPE scaling \"yarn\"",
+            ),
+            (json!({"rope_theta": "big"}), "is not a positive number"),
+            (
+                json!({"rope_parameters": {"rope_theta": -1.0}}),
+                "is not a positive number",
+            ),
+        ] {
+            let e = rope_theta(&bad).unwrap_err();
+            assert!(e.contains(says), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn the_package_directory_goes_first_on_the_python_path() {
+        let runtime = TorchRuntime {
+            python: "python3".into(),
+            package_dir: Some("/t/python".into()),
+        };
+        assert_eq!(
+            runtime.python_path(Some("/a:/b".into())),
+            Some("/t/python:/a:/b".into())
+        );
+        assert_eq!(runtime.python_path(None), Some("/t/python".into()));
+        let installed = TorchRuntime {
+            package_dir: None,
+            ..runtime
+        };
+        assert_eq!(installed.python_path(Some("/a".into())), None);
+    }
+
+    #[test]
+    fn engines_are_written_as_the_option_takes_them() {
+        let mixed = Engines {
+            target: Engine::Torch,
+            drafter: Engine::Candle,
+        };
+        assert_eq!(
+            serde_json::to_value(mixed).unwrap(),
+            serde_json::json!("target=torch,drafter=candle")
+        );
+        assert_eq!(
+            serde_json::to_value(Engines::both(Engine::Torch)).unwrap(),
+            serde_json::json!("torch")
+        );
+        for e in [
+            mixed,
+            Engines::both(Engine::Candle),
+            Engines::both(Engine::Torch),
+        ] {
+            let back: Engines = serde_json::from_value(serde_json::to_value(e).unwrap()).unwrap();
+            assert_eq!(back, e);
+        }
+        // A journal with a bad engine is refused, naming it.
+        let e = serde_json::from_value::<Engines>(serde_json::json!("tensorflow")).unwrap_err();
+        assert!(
+            e.to_string().contains("\"tensorflow\" is not an engine"),
+            "{e}"
+        );
+        assert!(serde_json::from_value::<Engines>(serde_json::json!(3)).is_err());
+    }
 
     #[test]
     fn loss_kinds_and_the_recipe_gammas() {

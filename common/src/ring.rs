@@ -439,6 +439,12 @@ impl Ring {
         Ok(self.meta(slot))
     }
 
+    /// Where the slot's data starts in the ring's file: what a process that maps the file itself
+    /// (the torch engine's compute child) is told to write at, instead of reading the header.
+    pub fn data_file_offset(&self, slot: u32) -> u64 {
+        (self.slot_offset(slot) + SLOT_HEADER_BYTES) as u64
+    }
+
     pub fn data(&self, slot: u32) -> &[u8] {
         let off = self.slot_offset(slot) + SLOT_HEADER_BYTES;
         &self.map[off..off + self.data_bytes()]

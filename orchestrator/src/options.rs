@@ -114,6 +114,35 @@ mod tests {
     use super::*;
 
     #[test]
+    fn engines_are_read_for_both_roles_or_each_and_bad_ones_named() {
+        use dflash_common::dflash::{Engine, Engines};
+        assert_eq!(parse_engine_choice("auto"), Ok(EngineChoice::Auto));
+        assert_eq!(
+            parse_engine_choice(" torch "),
+            Ok(EngineChoice::Is(Engines::both(Engine::Torch)))
+        );
+        assert_eq!(
+            parse_engine_choice("drafter=candle,target=torch"),
+            Ok(EngineChoice::Is(Engines {
+                target: Engine::Torch,
+                drafter: Engine::Candle
+            }))
+        );
+        for (bad, says) in [
+            ("", "is not an engine"),
+            ("jax", "is not an engine"),
+            ("target=torch", "names one role"),
+            ("target=torch,target=candle", "named twice"),
+            ("target=torch,worker=candle", "is not a role"),
+            ("target=torch,drafter", "is not ROLE=ENGINE"),
+            ("target=onnx,drafter=candle", "is not an engine"),
+        ] {
+            let e = parse_engine_choice(bad).unwrap_err();
+            assert!(e.contains(says), "{bad:?}: {e}");
+        }
+    }
+
+    #[test]
     fn out_of_range_and_non_numbers_are_refused_naming_the_range() {
         assert_eq!(parse_real("2.5", 0.1, 10.0, " s"), Ok(2.5));
         for bad in ["1e30", "-1", "nan", "inf", "x", ""] {
@@ -148,6 +177,26 @@ pub fn dtype_choice() -> impl TypedValueParser<Value = DtypeChoice> {
         "auto" => Ok(DtypeChoice::Auto),
         other => other.parse().map(DtypeChoice::Is),
     })
+}
+
+/// `--engine`: `auto`, one engine for both roles, or one per role.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EngineChoice {
+    Auto,
+    Is(dflash_common::dflash::Engines),
+}
+
+/// Reads `auto`, `candle`, `torch`, or `target=E,drafter=E` (either order, both named).
+pub fn parse_engine_choice(s: &str) -> Result<EngineChoice, String> {
+    match s.trim() {
+        "auto" => Ok(EngineChoice::Auto),
+        other => other.parse().map(EngineChoice::Is),
+    }
+}
+
+/// `--engine`'s value parser.
+pub fn engine_choice() -> impl TypedValueParser<Value = EngineChoice> {
+    clap::builder::StringValueParser::new().try_map(|s: String| parse_engine_choice(&s))
 }
 
 /// A count, or `auto`.

@@ -693,6 +693,85 @@ fn a_checkpoint_of_another_run_is_refused_naming_what_differs() {
     assert_clean(&run_dir);
 }
 
+/// A target re-initialised at the same path (the same config and weight headers, other weights)
+/// is another run's target: the resume is refused naming `target_weights`, for another seed and
+/// for a copy whose weights differ in one value. A checkpoint written before the fingerprint had
+/// that field resumes on the original target, saying it went unchecked, and ends with the
+/// undisturbed run's weights.
+#[test]
+fn a_resume_against_a_reinitialised_target_is_refused() {
+    let (_dir, target, run_dir) = killed_between_checkpoints();
+    let want = reference(&target);
+    let original = fs::read(target.join("model.safetensors")).unwrap();
+    let weights_before = final_weights(&run_dir);
+    let reinit = |seed: &str| {
+        stdout_ok(&orch(&[
+            "init-tiny",
+            "--seed",
+            seed,
+            "--force",
+            "--output",
+            target.to_str().unwrap(),
+        ]));
+    };
+    let refused_for_weights = || {
+        let out = resume(&run_dir, &[]).wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(
+            stderr.contains("belongs to another run: it differs in target_weights ("),
+            "names exactly the target's weights: {stderr}"
+        );
+        assert!(
+            final_weights(&run_dir) == weights_before,
+            "checkpoint untouched"
+        );
+        assert_clean(&run_dir);
+    };
+    reinit("7");
+    let reinitialised = fs::read(target.join("model.safetensors")).unwrap();
+    assert_eq!(reinitialised.len(), original.len(), "the same shape");
+    refused_for_weights();
+    // The original file with one byte of the last tensor's data changed: headers equal.
+    let mut edited = original.clone();
+    // The low byte of the last value (f32 or bf16): a mantissa bit, so the weight stays finite.
+    let last = edited.len() - 4;
+    edited[last] ^= 0x40;
+    fs::write(target.join("model.safetensors"), &edited).unwrap();
+    refused_for_weights();
+    // Back to the original target, and the checkpoints as written before the field existed.
+    fs::write(target.join("model.safetensors"), &original).unwrap();
+    for entry in fs::read_dir(run_dir.join("checkpoints")).unwrap().flatten() {
+        let state = entry.path().join("state.json");
+        if !state.is_file() {
+            continue;
+        }
+        let mut json: Value = serde_json::from_slice(&fs::read(&state).unwrap()).unwrap();
+        let removed = json["fingerprint"]
+            .as_object_mut()
+            .unwrap()
+            .remove("target_weights");
+        assert!(removed.is_some(), "{} had the field", state.display());
+        fs::write(&state, serde_json::to_vec(&json).unwrap()).unwrap();
+    }
+    finish(resume(&run_dir, &[]));
+    let log: String = fs::read_dir(run_dir.join("logs"))
+        .unwrap()
+        .flatten()
+        .map(|e| fs::read_to_string(e.path()).unwrap_or_default())
+        .collect();
+    assert!(
+        log.contains("predates the fingerprint's target_weights"),
+        "the unchecked field is said: {log}"
+    );
+    assert_eq!(effective_commits(&run_dir), want.commits);
+    assert!(
+        final_weights(&run_dir) == want.weights,
+        "final model.safetensors differs from the undisturbed run's"
+    );
+    assert_clean(&run_dir);
+}
+
 /// A fresh launch into a directory holding an earlier run's checkpoints (its journal gone) is
 /// refused, and creates nothing there.
 #[test]

@@ -238,22 +238,24 @@ pub fn load_latest(root: &Path) -> io::Result<Option<(PathBuf, Snapshot)>> {
 
 /// Refuses the checkpoint in `dir` when another run wrote it: its fingerprint `theirs` must equal
 /// this run's, `ours`. An empty `ours` (settings from before runs had fingerprints) checks nothing.
+/// Returns the fields that could not be checked because the checkpoint predates them
+/// ([`dflash_common::dflash::FINGERPRINT_ADDED_LATER`]).
 pub fn check_fingerprint(
     dir: &Path,
     ours: &BTreeMap<String, String>,
     theirs: &BTreeMap<String, String>,
-) -> Result<(), String> {
+) -> Result<Vec<String>, String> {
     if ours.is_empty() {
-        return Ok(());
+        return Ok(Vec::new());
     }
     let why = if theirs.is_empty() {
         "it has no run fingerprint".to_owned()
     } else {
-        let differ = dflash_common::dflash::fingerprint_differences(ours, theirs);
-        if differ.is_empty() {
-            return Ok(());
+        let compared = dflash_common::dflash::compare_fingerprints(ours, theirs);
+        if compared.differ.is_empty() {
+            return Ok(compared.unchecked);
         }
-        format!("it differs in {}", differ.join(", "))
+        format!("it differs in {}", compared.differ.join(", "))
     };
     Err(format!(
         "checkpoint {} belongs to another run: {why} (resume only the run that wrote it, or launch into a new --run-dir)",
@@ -597,7 +599,7 @@ mod tests {
         let (dir, loaded) = load_latest(&root).unwrap().unwrap();
         let theirs = &loaded.state.fingerprint;
         let ours = fingerprint(&[("data", "d1"), ("seed", "s1"), ("target", "t1")]);
-        assert_eq!(check_fingerprint(&dir, &ours, theirs), Ok(()));
+        assert_eq!(check_fingerprint(&dir, &ours, theirs), Ok(vec![]));
         let ours = fingerprint(&[("data", "d2"), ("seed", "s2"), ("target", "t1")]);
         assert_eq!(
             check_fingerprint(&dir, &ours, theirs).unwrap_err(),
@@ -615,8 +617,34 @@ mod tests {
         ]);
         let e = check_fingerprint(&dir, &ours, theirs).unwrap_err();
         assert!(e.contains("it differs in epochs ("), "{e}");
+        // A field added later that the checkpoint predates is reported as unchecked, not as a
+        // difference; once the checkpoint has it, it must match.
+        let ours = fingerprint(&[
+            ("data", "d1"),
+            ("seed", "s1"),
+            ("target", "t1"),
+            ("target_weights", "w1"),
+        ]);
+        assert_eq!(
+            check_fingerprint(&dir, &ours, theirs),
+            Ok(vec!["target_weights".to_owned()])
+        );
+        let mut newer = theirs.clone();
+        newer.insert("target_weights".into(), "w2".into());
+        let e = check_fingerprint(&dir, &ours, &newer).unwrap_err();
+        assert!(e.contains("it differs in target_weights ("), "{e}");
+        newer.insert("target_weights".into(), "w1".into());
+        assert_eq!(check_fingerprint(&dir, &ours, &newer), Ok(vec![]));
+        // The absence of an older field is no such excuse.
+        let mut older = theirs.clone();
+        older.remove("seed");
+        let e = check_fingerprint(&dir, &ours, &older).unwrap_err();
+        assert!(e.contains("it differs in seed ("), "{e}");
         // Settings without a fingerprint check nothing.
-        assert_eq!(check_fingerprint(&dir, &BTreeMap::new(), theirs), Ok(()));
+        assert_eq!(
+            check_fingerprint(&dir, &BTreeMap::new(), theirs),
+            Ok(vec![])
+        );
         fs::remove_dir_all(&root).unwrap();
     }
 
@@ -648,7 +676,7 @@ mod tests {
         );
         assert_eq!(
             check_fingerprint(&dir, &BTreeMap::new(), &BTreeMap::new()),
-            Ok(())
+            Ok(vec![])
         );
         fs::remove_dir_all(&root).unwrap();
     }

@@ -15,7 +15,6 @@ use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
 use dflash_common::dflash::{DflashSettings, NonFinite, Precision};
 use dflash_common::ring::{
     Layout, Ring, features_offset, read_lengths, read_masks, read_tokens, token_checksum,
-    write_batch,
 };
 use dflash_common::wire::{BatchId, Group, SlotRef, TrainMetrics, Update};
 
@@ -23,7 +22,7 @@ use crate::checkpoint::{self, TrainingState};
 use crate::model::drafter::{Drafter, DrafterConfig, Heads, MicroBatch, Objective};
 use crate::model::qwen3::{self, Qwen3};
 use crate::rng::SplitMix64;
-use crate::stage::{Stage, check_written, claim};
+use crate::stage::{Stage, check_written, publish_features, read_target_batch};
 use crate::train::{Accumulator, AdamW, AdamWConfig, Schedule, clip_grad_norm};
 
 /// Reads the run's DFlash settings (written by the orchestrator).
@@ -238,26 +237,17 @@ impl Stage for TargetStage {
         features: &mut Ring,
         out: SlotRef,
     ) -> Result<Option<String>, String> {
-        let meta = claim(input, at, features, out)?;
-        let data = input.data(at.slot);
-        let lengths = read_lengths(data, &meta)?;
-        let mut tokens = Vec::with_capacity(meta.tokens as usize);
-        read_tokens(data, &meta, &mut tokens)?;
-        let masks = read_masks(data, &meta)?.to_vec();
         let vocab = self.model.config.vocab_size as u32;
-        if let Some(bad) = tokens.iter().find(|&&t| t >= vocab) {
-            return Err(format!(
-                "token id {bad} is outside the target's vocabulary ({vocab})"
-            ));
-        }
+        let batch = read_target_batch(input, at, features, out, vocab)?;
+        let (lengths, tokens) = (&batch.lengths, &batch.tokens);
         let mut values = self
-            .features(meta.layout, &lengths, &tokens)?
+            .features(batch.meta.layout, lengths, tokens)?
             .to_dtype(self.feature_dtype)
             .map_err(err)?;
         if let Some(poison) = self.poison
             && tokens.contains(&poison)
         {
-            values = poisoned(&values, &tokens, poison)?;
+            values = poisoned(&values, tokens, poison)?;
         }
         let nonfinite = nonfinite_layer(&values, &self.layer_ids)?
             .map(|layer| format!("a NaN or infinity in the hidden states of target layer {layer}"));
@@ -267,29 +257,8 @@ impl Stage for TargetStage {
             .get_mut(from..)
             .ok_or("the feature slot is smaller than its header")?;
         write_elements(&values, dst)?;
-        let written = write_batch(
-            slot,
-            Layout::Packed,
-            &lengths,
-            &tokens,
-            &masks,
-            meta.max_len,
-            self.budget,
-        );
-        features.mark_written(out.slot, out.generation, written);
+        publish_features(features, out, &batch, self.budget);
         Ok(nonfinite)
-    }
-
-    fn train(
-        &mut self,
-        _: &Ring,
-        _: SlotRef,
-        _: BatchId,
-        _: u32,
-        _: Group,
-        _: Option<&str>,
-    ) -> Result<(u32, Option<TrainMetrics>), String> {
-        Err("a target worker got a training job".into())
     }
 }
 
@@ -320,7 +289,7 @@ fn poisoned(values: &Tensor, tokens: &[u32], token: u32) -> Result<Tensor, Strin
 
 /// The target layer of each hidden state in a token's features: `target_layer_ids`, then with
 /// distillation the last hidden state, named as the last of the target's `target_layers`.
-fn feature_layers(settings: &DflashSettings, target_layers: usize) -> Vec<usize> {
+pub(crate) fn feature_layers(settings: &DflashSettings, target_layers: usize) -> Vec<usize> {
     let mut layers = settings.target_layer_ids.clone();
     if settings.distill().is_some() {
         layers.push(target_layers.saturating_sub(1));
@@ -444,11 +413,21 @@ impl DrafterStage {
                 root.display()
             )
         })? {
-            checkpoint::check_fingerprint(
+            let unchecked = checkpoint::check_fingerprint(
                 &dir,
                 &settings.fingerprint,
                 &snapshot.state.fingerprint,
             )?;
+            for field in unchecked {
+                let what = dflash_common::dflash::FINGERPRINT_ADDED_LATER
+                    .iter()
+                    .find(|(name, _)| *name == field)
+                    .map_or("", |(_, what)| *what);
+                tracing::warn!(
+                    "checkpoint {} predates the fingerprint's {field} ({what}): resuming without checking it",
+                    dir.display()
+                );
+            }
             checkpoint::restore(&snapshot, &drafter, &mut opt, device).map_err(|e| {
                 format!(
                     "the latest checkpoint in {} does not fit this drafter: {e}",

@@ -18,6 +18,7 @@ pub mod model;
 pub mod rng;
 pub mod speculative;
 pub mod stage;
+pub mod torch;
 pub mod train;
 
 use std::path::PathBuf;
@@ -25,6 +26,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Parser;
+use dflash_common::dflash::Engine;
 use dflash_common::exit_code;
 use dflash_common::ring::Ring;
 use dflash_common::wire::{Event, Hello, Job, PROTOCOL, Role};
@@ -147,6 +149,22 @@ fn load_stage(args: &WorkerArgs, role: Role) -> Result<Box<dyn stage::Stage>, St
         .as_ref()
         .ok_or("--stage dflash needs --dflash-config")?;
     let settings = dflash::read_settings(path)?;
+    match (role, settings.engines.target, settings.engines.drafter) {
+        (Role::Target, Engine::Torch, _) => {
+            let ring = args
+                .feature_ring
+                .as_ref()
+                .ok_or("--feature-ring is required")?;
+            return Ok(Box::new(torch::TargetStage::new(&settings, ring)?));
+        }
+        (Role::Drafter, _, Engine::Torch) => {
+            return Err(
+                "the torch engine has no drafter yet: use --engine target=torch,drafter=candle"
+                    .into(),
+            );
+        }
+        _ => {}
+    }
     let device = dflash::device()?;
     Ok(match role {
         Role::Target => Box::new(dflash::TargetStage::new(&settings, &device)?),

@@ -4,7 +4,9 @@
 
 use std::time::{Duration, Instant};
 
-use dflash_common::ring::{Ring, SlotMeta, read_tokens, token_checksum};
+use dflash_common::ring::{
+    Layout, Ring, SlotMeta, read_lengths, read_masks, read_tokens, token_checksum, write_batch,
+};
 use dflash_common::wire::{BatchId, Group, SlotRef, TrainMetrics};
 
 /// What a worker computes: the synthetic stage, or the DFlash target and drafter.
@@ -21,16 +23,18 @@ pub trait Stage {
 
     /// Trains on the features in `at`, which must hold tokens with `checksum`; returns the
     /// checksum found and what the step measured. `nonfinite`: where the target worker found a
-    /// NaN or infinity in them.
+    /// NaN or infinity in them. A target stage trains nothing.
     fn train(
         &mut self,
-        features: &Ring,
-        at: SlotRef,
-        id: BatchId,
-        checksum: u32,
-        group: Group,
-        nonfinite: Option<&str>,
-    ) -> Result<(u32, Option<TrainMetrics>), String>;
+        _features: &Ring,
+        _at: SlotRef,
+        _id: BatchId,
+        _checksum: u32,
+        _group: Group,
+        _nonfinite: Option<&str>,
+    ) -> Result<(u32, Option<TrainMetrics>), String> {
+        Err("a target worker got a training job".into())
+    }
 
     /// Where a stateful drafter resumes: (plan cursor, optimiser step).
     fn resumed(&self) -> Option<(u64, u64)> {
@@ -58,6 +62,61 @@ pub fn claim(input: &Ring, at: SlotRef, features: &Ring, out: SlotRef) -> Result
         ));
     }
     Ok(meta)
+}
+
+/// A forward job's batch as a target reads it from its input slot.
+pub struct TargetBatch {
+    pub meta: SlotMeta,
+    pub lengths: Vec<u32>,
+    /// The real tokens, in sample order.
+    pub tokens: Vec<u32>,
+    pub masks: Vec<u8>,
+}
+
+/// Claims a forward job's slots (see [`claim`]) and reads its batch, every token inside a
+/// vocabulary of `vocab`.
+pub fn read_target_batch(
+    input: &Ring,
+    at: SlotRef,
+    features: &Ring,
+    out: SlotRef,
+    vocab: u32,
+) -> Result<TargetBatch, String> {
+    let meta = claim(input, at, features, out)?;
+    let data = input.data(at.slot);
+    let lengths = read_lengths(data, &meta)?;
+    let mut tokens = Vec::with_capacity(meta.tokens as usize);
+    read_tokens(data, &meta, &mut tokens)?;
+    let masks = read_masks(data, &meta)?.to_vec();
+    if let Some(bad) = tokens.iter().find(|&&t| t >= vocab) {
+        return Err(format!(
+            "token id {bad} is outside the target's vocabulary ({vocab})"
+        ));
+    }
+    Ok(TargetBatch {
+        meta,
+        lengths,
+        tokens,
+        masks,
+    })
+}
+
+/// Publishes a target's features for `batch` in feature slot `out` (the features already in
+/// place from [`dflash_common::ring::features_offset`] of `budget`): the batch packed before them, then the slot
+/// marked written.
+pub fn publish_features(features: &mut Ring, out: SlotRef, batch: &TargetBatch, budget: u64) {
+    let written = write_batch(
+        features.data_mut(out.slot),
+        Layout::Packed,
+        &batch.lengths,
+        &batch.tokens,
+        &batch.masks,
+        batch.meta.max_len,
+        budget,
+    );
+    // SYNC POINT: `mark_written`'s Release store publishes the features and the batch written
+    // before it to the drafter's Acquire load of `written`.
+    features.mark_written(out.slot, out.generation, written);
 }
 
 /// Checks that feature slot `at` holds finished features of the expected generation.

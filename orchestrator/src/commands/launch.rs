@@ -7,8 +7,9 @@ use clap::Args;
 use super::plan::{PlannerFlags, config_from_args as plan_config_from_args};
 use crate::error::CliError;
 use crate::options;
+use crate::runtime::torch_engine;
 use crate::runtime::{self, Outcome, PlannerSettings, RunConfig, RunError};
-use dflash_common::dflash::DflashSettings;
+use dflash_common::dflash::{DflashSettings, Engine, Engines};
 
 #[derive(Debug, Clone, Args)]
 pub struct LaunchArgs {
@@ -95,8 +96,8 @@ pub struct LaunchArgs {
     /// --gpus and --topology (the number of target workers; one drafter), --metrics-addr,
     /// --job-timeout, --stop-grace, --heartbeat-timeout, --monitor-interval, --max-restarts,
     /// --restart-window, --synthetic-us-per-token, --on-nonfinite, --eval-every,
-    /// --eval-max-new-tokens and --eval-prompts (another file, not in place of held-out
-    /// samples). The journal's resume line records every change.
+    /// --eval-max-new-tokens, --eval-prompts (another file, not in place of held-out
+    /// samples) and --python (the engines stay). The journal's resume line records every change.
     #[arg(long)]
     pub resume: bool,
 
@@ -236,6 +237,19 @@ pub struct DflashFlags {
     #[arg(long, value_name = "stop|skip", default_value = "stop")]
     pub on_nonfinite: dflash_common::dflash::NonFinite,
 
+    /// What computes the stages: candle (Rust, embedded, no Python), torch (PyTorch and
+    /// transformers in a Python child of each worker; the target may be any causal LM
+    /// transformers loads), target=E,drafter=E for one engine per role, or auto (torch for the
+    /// targets when the run is on GPUs and a usable PyTorch is found, candle otherwise; the
+    /// choice and why are said at start). The torch engine has no drafter yet. Kept by --resume.
+    #[arg(long, value_name = "ENGINE", default_value = "auto", value_parser = options::engine_choice())]
+    pub engine: options::EngineChoice,
+
+    /// The Python of the torch engine [default: $DFLASH_PYTHON, else python3 on PATH]. May
+    /// change on --resume.
+    #[arg(long, value_name = "PATH")]
+    pub python: Option<PathBuf>,
+
     /// Anchors of a sequence computed and back-propagated together (gradients of the chunks are
     /// summed): 1 to 65536, or auto (as many as fit the drafter's activation budget at
     /// --max-len; see `launch --dry-run`).
@@ -304,8 +318,18 @@ impl DflashFlags {
             on_nonfinite: self.on_nonfinite,
             eval_every: self.eval_every,
             fingerprint: Default::default(),
+            // `auto` on GPU workers is decided by the launch's checks (`check_engines`), which
+            // probe the Python; on CPU workers it is candle.
+            engines: match self.engine {
+                options::EngineChoice::Is(engines) => engines,
+                options::EngineChoice::Auto => Engines::both(Engine::Candle),
+            },
+            torch: None,
+            engine_auto: gpu && self.engine == options::EngineChoice::Auto,
         })
         .map(|mut settings| {
+            settings.torch = (settings.engine_auto || settings.engines.uses(Engine::Torch))
+                .then(|| torch_engine::runtime(self.python.as_deref()));
             settings.anchor_chunk = match self.anchor_chunk {
                 options::CountOrAuto::Count(n) => {
                     Some(n as usize).filter(|&n| n < settings.num_anchors)
@@ -361,7 +385,15 @@ pub fn config_from_args(
                     .map(|d| d.target_model.clone());
             }
             let gpu = !gpus.trim().starts_with("cpu:");
-            Some(flags.settings(plan.seed, gpu, plan.max_len)?)
+            let mut settings = flags.settings(plan.seed, gpu, plan.max_len)?;
+            // On resume, auto means the run's own engines.
+            if let (options::EngineChoice::Auto, Some(run)) =
+                (flags.engine, stored.and_then(|s| s.dflash.as_ref()))
+            {
+                settings.engines = run.engines;
+                settings.engine_auto = false;
+            }
+            Some(settings)
         }
         _ if args.dflash.target_model.is_some() => {
             return Err(CliError::Invalid(

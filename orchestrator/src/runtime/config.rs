@@ -81,6 +81,7 @@ impl RunConfig {
                 // May change on resume.
                 d.on_nonfinite = NonFinite::default();
                 d.eval_every = None;
+                d.torch = None;
                 d
             })
         };

@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use dflash_common::dflash::{self, DflashSettings, Qwen3Config};
+use dflash_common::dflash::{self, DflashSettings, Engine, Engines, Qwen3Config};
 
 use super::spec::Device;
 use super::{RunError, Tokens};
@@ -61,6 +61,58 @@ pub(super) fn check(
         )));
     }
     Ok(target)
+}
+
+/// Checks the engines: the torch engine's pre-flight (Python, torch, transformers, our package,
+/// CUDA with the `gpus` named) when a role uses it. The torch engine has no drafter yet.
+pub(super) fn check_engines(settings: &mut DflashSettings, gpus: &[u32]) -> Result<(), RunError> {
+    if settings.engine_auto {
+        settings.engines = auto_engines(settings, gpus);
+        settings.engine_auto = false;
+    }
+    if settings.engines.drafter == Engine::Torch {
+        return Err(RunError::Invalid(
+            "--engine: the torch engine has no drafter yet; use --engine target=torch,drafter=candle"
+                .into(),
+        ));
+    }
+    if !settings.engines.uses(Engine::Torch) {
+        settings.torch = None;
+        return Ok(());
+    }
+    let runtime = settings
+        .torch
+        .get_or_insert_with(|| super::torch_engine::runtime(None));
+    let report = super::torch_engine::check(runtime, gpus).map_err(RunError::Invalid)?;
+    tracing::info!("torch engine: {}", report.describe());
+    Ok(())
+}
+
+/// `--engine auto` on GPU workers: torch for the targets when the pre-flight passes with CUDA
+/// (the drafter stays on candle until the torch engine has one), candle otherwise; says which
+/// and why.
+fn auto_engines(settings: &DflashSettings, gpus: &[u32]) -> Engines {
+    let runtime = settings
+        .torch
+        .clone()
+        .unwrap_or_else(|| super::torch_engine::runtime(None));
+    let gpus = if gpus.is_empty() { &[0][..] } else { gpus };
+    match super::torch_engine::check(&runtime, gpus) {
+        Ok(report) => {
+            tracing::info!(
+                "--engine auto: torch for the targets ({}), candle for the drafter (the torch engine has no drafter yet)",
+                report.describe()
+            );
+            Engines {
+                target: Engine::Torch,
+                drafter: Engine::Candle,
+            }
+        }
+        Err(why) => {
+            tracing::info!("--engine auto: candle ({why})");
+            Engines::both(Engine::Candle)
+        }
+    }
 }
 
 /// Whether the worker binary reports a CUDA build.
@@ -181,6 +233,9 @@ pub(super) fn fingerprint(
     };
     let fields = [
         ("target", target_identity(&settings.target_model)?),
+        // Added later (`FINGERPRINT_ADDED_LATER`): the headers alone do not tell two models of
+        // one shape apart, a re-initialised or fine-tuned target among them.
+        ("target_weights", weights_sample(&settings.target_model)?),
         ("data", digest([data_identity.as_slice()])),
         (
             "planner",
@@ -223,6 +278,11 @@ pub(super) fn fingerprint(
                 "anchor_chunk": settings.anchor_chunk,
             }))
             .as_slice()]),
+        ),
+        // Added later: the engines' float results differ (within the parity tests' tolerance).
+        (
+            "engine",
+            digest([json(serde_json::to_value(settings.engines).unwrap_or_default()).as_slice()]),
         ),
         ("epochs", digest([epochs.to_le_bytes().as_slice()])),
     ];

@@ -103,6 +103,16 @@ pub struct Prepared {
 pub fn prepare(config: RunConfig, run_dir_path: &Path, resume: bool) -> Result<Prepared, RunError> {
     let mut config = config;
     let nvml = init_nvml();
+    // The engine before the hardware: a torch that cannot serve the GPUs named is said as such,
+    // even on a machine where no GPU is found.
+    if let Some(settings) = config.dflash.as_mut() {
+        let gpus: Vec<u32> = match config.gpus.parse::<spec::GpuSpec>() {
+            Ok(spec::GpuSpec::Ids(ids)) => ids,
+            Ok(spec::GpuSpec::All) => (0..gpu_count(&nvml).unwrap_or(1).max(1)).collect(),
+            _ => Vec::new(),
+        };
+        dflash_stage::check_engines(settings, &gpus)?;
+    }
     let options = check_options(&config, gpu_count(&nvml))?;
     let (plan_config, devices, topology) = (options.plan, options.devices, options.topology);
     let binary = workers::worker_binary();

@@ -25,6 +25,7 @@ pub mod resume;
 pub mod run_lock;
 pub mod spec;
 mod supervisor;
+pub mod torch_engine;
 pub mod workers;
 
 use std::collections::VecDeque;

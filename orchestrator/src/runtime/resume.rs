@@ -144,6 +144,7 @@ pub const OPTIONS: &[(&str, &[&str], OnResume)] = &[
     ("dtype", &["dflash", "dtype"], Compared),
     ("feature-dtype", &["dflash", "feature_dtype"], Compared),
     ("anchor-chunk", &["dflash", "anchor_chunk"], Compared),
+    ("engine", &["dflash", "engines"], Compared),
     // The held-out samples leave the plans: they may not change.
     ("eval-holdout", &["eval", "holdout"], Compared),
     (
@@ -154,6 +155,18 @@ pub const OPTIONS: &[(&str, &[&str], OnResume)] = &[
             if run.gpus != session.gpus {
                 run.gpus.clone_from(&session.gpus);
                 run.topology.clone_from(&session.topology);
+            }
+        }),
+    ),
+    (
+        "python",
+        &["dflash", "torch"],
+        Changeable(|run, session| {
+            // Another interpreter for the same engines (the pre-flight checks it).
+            if let (Some(r), Some(s)) = (run.dflash.as_mut(), session.dflash.as_ref())
+                && r.engines == s.engines
+            {
+                r.torch.clone_from(&s.torch);
             }
         }),
     ),

@@ -1,0 +1,148 @@
+"""The compute child of a torch-engine worker: `python -m dflash_orch.serve`.
+
+`dflash-worker` starts it, writes one JSON request per line on its stdin and reads one JSON answer
+per line from its stdout; everything else this process or its libraries print goes to stderr (the
+worker's log). The worker owns the rings: it tells this process which file to map and which byte
+range of it to fill, and publishes the slot itself once the answer says the bytes are there.
+
+Requests:
+- `{"op": "init", "protocol": 1, "role": "target", "model": DIR, "layer_ids": [k, ...],
+  "final": bool, "dtype": "f32"|"bf16", "feature_dtype": "f32"|"bf16", "token_budget": N,
+  "ring": PATH, "threads": N}` -> `{"ok": true, "protocol": 1, "vocab": V, "layers": L,
+  "hidden": H, "attention": "sdpa", "device": "cpu"|"cuda:0", "torch": VERSION,
+  "transformers": VERSION}`. The features are the hidden states `k + 1` of `layer_ids`, then, with
+  `final`, the last hidden state (after the final norm, index `L`) that distillation reads.
+- `{"op": "forward", "tokens": [...], "lengths": [...], "offset": O, "bytes": B}` -> writes the
+  features `[tokens, n * hidden]` into bytes `O .. O + B` of the ring and answers
+  `{"ok": true, "nonfinite": null | j}` (j: the position in `indices` of the first layer whose
+  features hold a NaN or an infinity).
+
+A request that cannot be done answers `{"ok": false, "error": "..."}` and the child goes on; a
+request it cannot read ends it (exit 2). End of input ends it (exit 0).
+"""
+
+import json
+import mmap
+import os
+import sys
+import traceback
+
+from . import PROTOCOL
+
+
+class Refused(Exception):
+    """A request that is wrong in itself: its message goes back to the worker."""
+
+
+def _answer_channel():
+    """The protocol's stdout, kept private: fd 1 becomes stderr, so that a library's print can
+    never be read as an answer."""
+    fd = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = os.fdopen(1, "w", buffering=1)
+    return os.fdopen(fd, "w", buffering=1)
+
+
+class Server:
+    def __init__(self):
+        self.target = None
+        self.ring = None
+        self.map = None
+
+    def init(self, req):
+        import torch
+        import transformers
+
+        from .target import TorchTarget, device_for, dtype_of, num_layers
+
+        if req.get("protocol") != PROTOCOL:
+            raise Refused(
+                f"dflash-worker speaks protocol {req.get('protocol')}, this dflash_orch package "
+                f"{PROTOCOL} ({__file__}): install the package of the same tree"
+            )
+        if req.get("role") != "target":
+            raise Refused(f"role {req.get('role')!r}: this engine serves the target role")
+        threads = int(req.get("threads") or 0)
+        if threads > 0:
+            torch.set_num_threads(threads)
+        device = device_for(os.environ.get("CUDA_VISIBLE_DEVICES"))
+        layers = num_layers(req["model"])
+        indices = [int(k) + 1 for k in req["layer_ids"]] + ([layers] if req.get("final") else [])
+        self.target = TorchTarget(
+            req["model"],
+            indices,
+            dtype_of(req["dtype"]),
+            device,
+            dtype_of(req["feature_dtype"]),
+        )
+        self.token_budget = int(req["token_budget"])
+        path = req["ring"]
+        self.ring = open(path, "r+b")
+        self.map = mmap.mmap(self.ring.fileno(), 0)
+        return {
+            "protocol": PROTOCOL,
+            "vocab": self.target.vocab_size,
+            "layers": self.target.num_layers,
+            "hidden": self.target.hidden,
+            "attention": self.target.attention,
+            "device": str(device),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        }
+
+    def forward(self, req):
+        import torch
+
+        if self.target is None:
+            raise Refused("forward before init")
+        tokens = req["tokens"]
+        lengths = req["lengths"]
+        offset, size = int(req["offset"]), int(req["bytes"])
+        if offset < 0 or size < 0 or offset + size > len(self.map):
+            raise Refused(f"bytes {offset}..{offset + size} are outside the ring "
+                          f"({len(self.map)} bytes)")
+        width = len(self.target.indices) * self.target.hidden
+        element = torch.empty((), dtype=self.target.feature_dtype).element_size()
+        need = len(tokens) * width * element
+        if need > size:
+            raise Refused(f"{len(tokens)} tokens of features need {need} bytes, "
+                          f"the slot has {size}")
+        raw = torch.frombuffer(self.map, dtype=torch.uint8, count=need, offset=offset)
+        out = raw.view(self.target.feature_dtype).view(len(tokens), width)
+        nonfinite = self.target.features_into(tokens, lengths, out, self.token_budget)
+        # The bytes are in the shared mapping before the answer is written; the worker reads the
+        # answer, then publishes the slot (its Release store orders our writes for the reader).
+        return {"nonfinite": nonfinite}
+
+
+def main():
+    answers = _answer_channel()
+    server = Server()
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            req = json.loads(line)
+            op = req["op"]
+        except (ValueError, KeyError, TypeError) as e:
+            print(f"dflash_orch.serve: unreadable request ({e}): {line[:200]!r}", file=sys.stderr)
+            sys.exit(2)
+        try:
+            if op == "init":
+                reply = server.init(req)
+            elif op == "forward":
+                reply = server.forward(req)
+            else:
+                raise Refused(f"unknown op {op!r}")
+            reply["ok"] = True
+        except Refused as e:
+            reply = {"ok": False, "error": str(e)}
+        except Exception as e:
+            traceback.print_exc(file=sys.stderr)
+            reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        answers.write(json.dumps(reply) + "\n")
+        answers.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,342 @@
+//! The torch engine end to end: the Rust worker keeps the loop and the rings, a Python child
+//! (`python -m dflash_orch.serve`, on the test environment's torch and transformers) computes the
+//! target. Its features equal `transformers`' own hidden states on several architectures; a run
+//! with the torch target feeding the candle drafter trains as the candle-only run does; a killed
+//! Python child loses nothing; a Python that cannot serve is refused before anything starts.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+use dflash_e2e::{
+    assert_clean, bin, children, finish, journal_events, orch, signal, stdout_ok, test_python,
+    wait_until, worker_pid, workspace_root,
+};
+use serde_json::Value;
+
+/// Where the runs' workers are: two targets and a drafter on CPUs.
+const CPU_WORKERS: [&str; 4] = ["--gpus", "cpu:3", "--topology", "2:1"];
+
+/// The run: enough optimiser steps (one batch each) to compare 50 of them.
+const RUN_FLAGS: [&str; 26] = [
+    "--stage",
+    "dflash",
+    "--synthetic",
+    "240",
+    "--epochs",
+    "2",
+    "--max-len",
+    "64",
+    "--token-budget",
+    "512",
+    "--buckets",
+    "auto:2",
+    "--accum",
+    "1",
+    "--draft-layers",
+    "1",
+    "--num-anchors",
+    "24",
+    "--save-every",
+    "10",
+    "--keep-checkpoints",
+    "2",
+    "--heartbeat-timeout",
+    "10",
+    "--max-restarts",
+    "5",
+];
+
+const MIXED: &str = "target=torch,drafter=candle";
+
+fn tiny_target(dir: &Path) -> PathBuf {
+    let target = dir.join("target");
+    stdout_ok(&orch(&["init-tiny", "--output", target.to_str().unwrap()]));
+    target
+}
+
+fn launch(run_dir: &Path, target: &Path, engine: &str, extra: &[&str]) -> Command {
+    let mut c = Command::new(bin("dflash-orch"));
+    c.arg("launch")
+        .args(CPU_WORKERS)
+        .args(RUN_FLAGS)
+        .args(["--engine", engine])
+        .arg("--python")
+        .arg(test_python())
+        .args(extra)
+        .arg("--target-model")
+        .arg(target)
+        .arg("--run-dir")
+        .arg(run_dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    c
+}
+
+/// `(step, loss)` of every optimiser step, in order.
+fn losses(run_dir: &Path) -> Vec<(u64, f64)> {
+    fs::read_to_string(run_dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|l| l["kind"] == "train")
+        .map(|l| (l["step"].as_u64().unwrap(), l["loss"].as_f64().unwrap()))
+        .collect()
+}
+
+fn final_weights(run_dir: &Path) -> Vec<u8> {
+    let root = run_dir.join("checkpoints");
+    let latest = fs::read_to_string(root.join("latest")).unwrap();
+    fs::read(root.join(latest.trim()).join("model.safetensors")).unwrap()
+}
+
+/// Per-step losses agree within `tol`, relative, over at least `steps` steps.
+fn assert_losses_agree(a: &[(u64, f64)], b: &[(u64, f64)], steps: usize, tol: f64) {
+    assert!(a.len() >= steps, "{} steps", a.len());
+    assert_eq!(a.len(), b.len(), "the same steps");
+    let mut worst: f64 = 0.0;
+    for (x, y) in a.iter().zip(b) {
+        assert_eq!(x.0, y.0);
+        let rel = (x.1 - y.1).abs() / y.1.abs().max(1e-12);
+        worst = worst.max(rel);
+        assert!(
+            rel <= tol,
+            "step {}: loss {} against {} ({rel:.2e} relative)",
+            x.0,
+            x.1,
+            y.1
+        );
+    }
+    eprintln!(
+        "{} steps, worst relative loss difference {worst:.2e}",
+        a.len()
+    );
+}
+
+/// The torch target's features equal `transformers`' `hidden_states[k + 1]` (f32, 1e-5) on a
+/// packed batch of uneven lengths, for Qwen3, Llama with llama3 rope scaling, Qwen3-MoE,
+/// Gemma-3 (sliding-window layers) and gpt-oss (attention sinks; eager attention on CPU); and
+/// the same tokens run as one row (sequences attending across) differ, so the check can fail.
+#[test]
+fn the_torch_targets_features_equal_transformers_on_packed_batches() {
+    let out = Command::new(test_python())
+        .arg(workspace_root().join("python/tests/check_target.py"))
+        .args(["--tol", "1e-5"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let archs: Vec<&str> = rows.iter().map(|r| r["arch"].as_str().unwrap()).collect();
+    assert_eq!(
+        archs,
+        ["qwen3", "llama", "qwen3_moe", "gemma3_text", "gpt_oss"]
+    );
+    for r in &rows {
+        assert_eq!(r["ok"], true, "{r}");
+        assert!(r["max_abs_diff"].as_f64().unwrap() <= 1e-5, "{r}");
+        assert!(r["cross_sequence_diff"].as_f64().unwrap() > 1e-3, "{r}");
+    }
+    eprintln!("{stdout}");
+}
+
+/// The torch target feeding the candle drafter trains as the candle-only run does: the same
+/// plan and initial weights, per-step losses within 1e-4 relative over every step (f32, CPU).
+/// The run says which engines computed it, in the journal and in its checkpoints.
+#[test]
+fn a_torch_target_feeding_the_candle_drafter_trains_as_candle_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = tiny_target(dir.path());
+    let candle = dir.path().join("candle");
+    let mixed = dir.path().join("mixed");
+    finish(launch(&candle, &target, "candle", &[]).spawn().unwrap());
+    finish(launch(&mixed, &target, MIXED, &[]).spawn().unwrap());
+    assert_losses_agree(&losses(&mixed), &losses(&candle), 50, 1e-4);
+    let run: Value = serde_json::from_str(
+        fs::read_to_string(mixed.join("journal.jsonl"))
+            .unwrap()
+            .lines()
+            .next()
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(run["config"]["dflash"]["engines"], MIXED, "{run}");
+    assert_eq!(
+        run["config"]["dflash"]["torch"]["python"],
+        test_python().to_str().unwrap()
+    );
+    // The engines are part of each checkpoint's fingerprint.
+    let state = |run_dir: &Path| -> Value {
+        let root = run_dir.join("checkpoints");
+        let latest = fs::read_to_string(root.join("latest")).unwrap();
+        serde_json::from_slice(&fs::read(root.join(latest.trim()).join("state.json")).unwrap())
+            .unwrap()
+    };
+    let (a, b) = (state(&mixed), state(&candle));
+    assert_ne!(a["fingerprint"]["engine"], b["fingerprint"]["engine"]);
+    assert_eq!(a["fingerprint"]["data"], b["fingerprint"]["data"]);
+    assert_clean(&mixed);
+}
+
+/// SIGKILL of a target worker's Python child mid-run: the worker goes with it, is restarted,
+/// and the run ends with the undisturbed run's weights, byte for byte. A run whose orchestrator
+/// is SIGKILLed resumes on its own engine to the same weights, and refuses another engine,
+/// naming both.
+#[test]
+fn a_killed_python_child_loses_nothing_and_a_resume_keeps_the_engine() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = tiny_target(dir.path());
+    let reference = dir.path().join("reference");
+    finish(launch(&reference, &target, MIXED, &[]).spawn().unwrap());
+    let run_dir = dir.path().join("run");
+    let child = launch(&run_dir, &target, MIXED, &[]).spawn().unwrap();
+    wait_until("a few steps", Duration::from_secs(300), || {
+        journal_events(&run_dir, "commit").len() >= 10
+    });
+    let (_, worker) = worker_pid(&run_dir, "target");
+    let python = children(worker as u32);
+    assert_eq!(python.len(), 1, "one Python child: {python:?}");
+    signal(python[0] as i32, "KILL");
+    finish(child);
+    let exits = journal_events(&run_dir, "worker_exit");
+    assert!(
+        exits
+            .iter()
+            .any(|e| e["pid"].as_u64() == Some(worker as u64)),
+        "the worker of the killed child exited: {exits:?}"
+    );
+    let starts = journal_events(&run_dir, "worker_start");
+    assert!(starts.len() >= 4, "and was restarted: {starts:?}");
+    assert!(
+        final_weights(&run_dir) == final_weights(&reference),
+        "final model.safetensors differs from the undisturbed run's"
+    );
+    assert_clean(&run_dir);
+
+    // The orchestrator SIGKILLed mid-run: a resume on another engine is refused naming both;
+    // the resume on the run's own ends with the undisturbed run's weights.
+    let run_dir = dir.path().join("killed");
+    let mut child = launch(&run_dir, &target, MIXED, &[]).spawn().unwrap();
+    wait_until("a checkpoint", Duration::from_secs(300), || {
+        journal_events(&run_dir, "commit").len() >= 15
+    });
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let resume = |extra: &[&str]| {
+        let mut c = Command::new(bin("dflash-orch"));
+        c.args(["launch", "--resume", "--run-dir"])
+            .arg(&run_dir)
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        c
+    };
+    let out = resume(&["--engine", "candle"]).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains(&format!("--engine candle (the run has {MIXED})")),
+        "{stderr}"
+    );
+    finish(resume(&[]).spawn().unwrap());
+    assert_eq!(journal_events(&run_dir, "resume").len(), 1);
+    assert!(
+        final_weights(&run_dir) == final_weights(&reference),
+        "the resumed run's final model.safetensors differs from the undisturbed run's"
+    );
+    assert_clean(&run_dir);
+}
+
+/// A launch with `extra` on `python`, refused with exit 2 and an error line naming `needle`,
+/// before creating anything; its dry run refuses the same way (exit 1).
+fn refused(extra: &[&str], python: &Path, needle: &str) -> Output {
+    let dir = tempfile::tempdir().unwrap();
+    let target = tiny_target(dir.path());
+    let run_dir = dir.path().join("run");
+    let mut c = Command::new(bin("dflash-orch"));
+    c.arg("launch")
+        .args(RUN_FLAGS)
+        .arg("--python")
+        .arg(python)
+        .args(extra)
+        .arg("--target-model")
+        .arg(&target)
+        .arg("--run-dir")
+        .arg(&run_dir);
+    let out = c.output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let line = stderr
+        .lines()
+        .find(|l| l.starts_with("error:"))
+        .unwrap_or_else(|| panic!("no error line: {stderr}"));
+    assert!(line.contains(needle), "{needle:?} not in {line:?}");
+    assert!(!run_dir.exists(), "nothing created");
+    // The dry run refuses the same way.
+    let dry = c.arg("--dry-run").output().unwrap();
+    let dry_err = String::from_utf8_lossy(&dry.stderr);
+    assert_eq!(dry.status.code(), Some(1), "{dry_err}");
+    assert!(dry_err.contains(needle), "{dry_err}");
+    out
+}
+
+/// A Python that cannot serve the torch engine is refused before anything starts, in one line
+/// naming what is missing and how to install it: no Python at all; a Python without torch; a
+/// torch without CUDA when --gpus names a GPU; the torch drafter (not built).
+#[test]
+fn a_python_that_cannot_serve_the_engine_is_refused_up_front() {
+    let mixed_on_cpus = [CPU_WORKERS.as_slice(), &["--engine", MIXED]].concat();
+    refused(
+        &mixed_on_cpus,
+        Path::new("/nonexistent/bin/python3"),
+        "/nonexistent/bin/python3 was not found",
+    );
+    // A Python of its own, without torch.
+    let venv = tempfile::tempdir().unwrap();
+    let made = Command::new("python3")
+        .args(["-m", "venv", "--without-pip"])
+        .arg(venv.path())
+        .status()
+        .unwrap();
+    assert!(made.success());
+    let bare = venv.path().join("bin/python");
+    let out = refused(
+        &mixed_on_cpus,
+        &bare,
+        "the torch engine needs torch >= 2.11",
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("-m pip install 'torch>=2.11'"),
+        "names the command that installs it"
+    );
+    // The torch engine's drafter is not built.
+    refused(
+        &[CPU_WORKERS.as_slice(), &["--engine", "torch"]].concat(),
+        &test_python(),
+        "has no drafter yet",
+    );
+    // The test environment's torch sees no CUDA device here (a machine without a GPU).
+    let no_gpu = test_python();
+    let probe = Command::new(&no_gpu)
+        .args(["-c", "import torch; print(torch.cuda.is_available())"])
+        .output()
+        .unwrap();
+    if String::from_utf8_lossy(&probe.stdout).trim() == "False" {
+        refused(
+            &["--engine", MIXED, "--gpus", "0,1", "--topology", "1:1"],
+            &no_gpu,
+            "sees no CUDA device",
+        );
+    }
+}

@@ -1,0 +1,272 @@
+//! The torch engine's side of a worker: this process keeps the loop, the heartbeats, the rings
+//! and the descriptors; a Python child (`python -m dflash_orch.serve`) computes. One JSON request
+//! per line goes to its stdin and one answer per line comes back on its stdout; its stderr is the
+//! worker's log.
+//!
+//! The child never reads a ring header: for each batch this side tells it which byte range of the
+//! mapped feature ring to fill (computed here from the ring's layout), and publishes the slot
+//! itself once the answer says the bytes are there.
+//!
+//! A child that dies (a segfault, the OOM killer, a SIGKILL) takes the worker with it: the
+//! orchestrator sees a dead worker and restarts it, exactly as for a candle worker. A job the
+//! child refuses or fails (a Python exception) fails the run with the child's reason, as a candle
+//! stage error does. A hung child hangs the job, and the orchestrator's job deadline kills the
+//! worker; the child dies with it (`PR_SET_PDEATHSIG`).
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+
+use dflash_common::dflash::{DflashSettings, TorchRuntime};
+use dflash_common::ring::{Ring, features_offset};
+use dflash_common::wire::SlotRef;
+use serde_json::{Value, json};
+
+use crate::stage::{Stage, publish_features, read_target_batch};
+
+/// The version of the pipe protocol (`dflash_orch.PROTOCOL`).
+pub const PROTOCOL: u64 = 1;
+
+/// The Python compute child.
+pub struct TorchChild {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+}
+
+impl TorchChild {
+    /// Starts `python -m dflash_orch.serve` as `runtime` says.
+    pub fn start(runtime: &TorchRuntime) -> Result<Self, String> {
+        let mut command = Command::new(&runtime.python);
+        command
+            .args(["-m", "dflash_orch.serve"])
+            .env("PYTHONUNBUFFERED", "1")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        if let Some(path) = runtime.python_path(std::env::var_os("PYTHONPATH")) {
+            command.env("PYTHONPATH", path);
+        }
+        let parent = std::process::id();
+        // SAFETY: only async-signal-safe calls between fork and exec (prctl, getppid, _exit).
+        unsafe {
+            command.pre_exec(move || {
+                // The child dies with this worker, whichever way the worker ends.
+                nix::libc::prctl(nix::libc::PR_SET_PDEATHSIG, nix::libc::SIGKILL);
+                if nix::libc::getppid() as u32 != parent {
+                    nix::libc::_exit(1);
+                }
+                Ok(())
+            });
+        }
+        let mut child = command.spawn().map_err(|e| {
+            format!(
+                "cannot start the torch engine's Python {}: {e}",
+                runtime.python.display()
+            )
+        })?;
+        let stdin = child.stdin.take().ok_or("the child has no stdin")?;
+        let stdout = BufReader::new(child.stdout.take().ok_or("the child has no stdout")?);
+        Ok(Self {
+            child,
+            stdin,
+            stdout,
+        })
+    }
+
+    /// Sends `request` and returns the answer's fields; `Err` with the child's reason when it
+    /// could not do the job. A child that is gone ends this process (see the module's comment).
+    pub fn request(&mut self, request: &Value) -> Result<Value, String> {
+        let mut line = serde_json::to_string(request).map_err(|e| e.to_string())?;
+        line.push('\n');
+        if let Err(e) = self
+            .stdin
+            .write_all(line.as_bytes())
+            .and_then(|()| self.stdin.flush())
+        {
+            self.gone(&format!("writing to it failed: {e}"));
+        }
+        let mut answer = String::new();
+        match self.stdout.read_line(&mut answer) {
+            Ok(0) => self.gone("it closed its output"),
+            Err(e) => self.gone(&format!("reading from it failed: {e}")),
+            Ok(_) => {}
+        }
+        parse_answer(&answer)
+    }
+
+    /// The child is gone: this worker exits as if it had crashed itself, so that the
+    /// orchestrator restarts it.
+    fn gone(&mut self, how: &str) -> ! {
+        let status = self
+            .child
+            .wait()
+            .map_or_else(|e| e.to_string(), |s| s.to_string());
+        eprintln!("error: the torch engine's Python child died ({how}; {status})");
+        std::process::exit(i32::from(dflash_common::exit_code::FAILURE));
+    }
+}
+
+impl Drop for TorchChild {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// An answer line: its fields when `ok`, else the child's error.
+pub fn parse_answer(line: &str) -> Result<Value, String> {
+    let value: Value = serde_json::from_str(line.trim()).map_err(|e| {
+        format!(
+            "the torch engine's answer is not JSON ({e}): {:?}",
+            clip(line, 200)
+        )
+    })?;
+    match value.get("ok").and_then(Value::as_bool) {
+        Some(true) => Ok(value),
+        Some(false) => Err(value
+            .get("error")
+            .and_then(Value::as_str)
+            .unwrap_or("the torch engine failed without a reason")
+            .to_owned()),
+        None => Err(format!(
+            "the torch engine's answer has no \"ok\": {:?}",
+            clip(line, 200)
+        )),
+    }
+}
+
+fn clip(s: &str, n: usize) -> &str {
+    let mut end = s.len().min(n);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+/// The target stage on the torch engine.
+pub struct TargetStage {
+    child: TorchChild,
+    /// The target layer of each hidden state in a token's features (see `feature_layers`).
+    layer_ids: Vec<usize>,
+    vocab: u32,
+    budget: u64,
+}
+
+impl TargetStage {
+    /// Starts the child and loads the target there; `feature_ring` is the ring it maps.
+    pub fn new(settings: &DflashSettings, feature_ring: &Path) -> Result<Self, String> {
+        let runtime = settings.torch.as_ref().ok_or(
+            "the torch engine was chosen, but the settings say no Python (a stale dflash.json?)",
+        )?;
+        let mut child = TorchChild::start(runtime)?;
+        let threads = std::env::var("RAYON_NUM_THREADS")
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0);
+        let init = child.request(&json!({
+            "op": "init",
+            "protocol": PROTOCOL,
+            "role": "target",
+            "model": settings.target_model,
+            "layer_ids": settings.target_layer_ids,
+            "final": settings.distill().is_some(),
+            "dtype": settings.dtype.name(),
+            "feature_dtype": settings.feature_dtype.name(),
+            "token_budget": settings.token_budget,
+            "ring": feature_ring,
+            "threads": threads,
+        }))?;
+        let field = |name: &str| {
+            init.get(name)
+                .and_then(Value::as_u64)
+                .ok_or_else(|| format!("the torch engine's init answer has no {name}: {init}"))
+        };
+        let layers = field("layers")? as usize;
+        let vocab = u32::try_from(field("vocab")?).map_err(|e| e.to_string())?;
+        tracing::info!(
+            "torch target: {} layers, hidden {}, {} attention on {} (torch {}, transformers {})",
+            layers,
+            field("hidden")?,
+            init["attention"].as_str().unwrap_or("?"),
+            init["device"].as_str().unwrap_or("?"),
+            init["torch"].as_str().unwrap_or("?"),
+            init["transformers"].as_str().unwrap_or("?"),
+        );
+        Ok(Self {
+            child,
+            layer_ids: crate::dflash::feature_layers(settings, layers),
+            vocab,
+            budget: settings.token_budget,
+        })
+    }
+}
+
+impl Stage for TargetStage {
+    fn forward(
+        &mut self,
+        input: &Ring,
+        at: SlotRef,
+        features: &mut Ring,
+        out: SlotRef,
+    ) -> Result<Option<String>, String> {
+        let batch = read_target_batch(input, at, features, out, self.vocab)?;
+        let from = features_offset(self.budget);
+        let room = features
+            .data_bytes()
+            .checked_sub(from)
+            .ok_or("the feature slot is smaller than its header")?;
+        let answer = self.child.request(&json!({
+            "op": "forward",
+            "tokens": batch.tokens,
+            "lengths": batch.lengths,
+            "offset": features.data_file_offset(out.slot) + from as u64,
+            "bytes": room,
+        }))?;
+        let nonfinite = match answer.get("nonfinite") {
+            None | Some(Value::Null) => None,
+            Some(j) => {
+                let layer = j
+                    .as_u64()
+                    .and_then(|j| self.layer_ids.get(j as usize))
+                    .ok_or_else(|| format!("the torch engine named no layer {j}"))?;
+                Some(format!(
+                    "a NaN or infinity in the hidden states of target layer {layer}"
+                ))
+            }
+        };
+        // SYNC POINT: the child's writes to the shared mapping happened before it wrote its
+        // answer, which this process has read; `publish_features` publishes them with the batch.
+        publish_features(features, out, &batch, self.budget);
+        Ok(nonfinite)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn answers_are_read_or_refused_with_a_reason() {
+        assert_eq!(
+            parse_answer("{\"ok\": true, \"nonfinite\": null}\n").unwrap()["nonfinite"],
+            Value::Null
+        );
+        assert_eq!(
+            parse_answer("{\"ok\": false, \"error\": \"CUDA out of memory\"}").unwrap_err(),
+            "CUDA out of memory"
+        );
+        assert_eq!(
+            parse_answer("{\"ok\": false}").unwrap_err(),
+            "the torch engine failed without a reason"
+        );
+        for bad in ["", "garbage", "[1, 2]", "{\"ok\": 1}", "{\"nonfinite\": 0}"] {
+            let e = parse_answer(bad).unwrap_err();
+            assert!(e.starts_with("the torch engine's answer"), "{bad:?}: {e}");
+        }
+        // A long garbage line is quoted briefly, never split inside a character.
+        let long = "é".repeat(1000);
+        assert!(parse_answer(&long).unwrap_err().len() < 400);
+    }
+}
