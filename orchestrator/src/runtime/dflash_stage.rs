@@ -66,8 +66,9 @@ pub(super) fn check(
 /// Checks the engines: the torch engine's pre-flight (Python, torch, transformers, our package,
 /// CUDA with the `gpus` named) when a role uses it. The torch engine has no drafter yet.
 pub(super) fn check_engines(settings: &mut DflashSettings, gpus: &[u32]) -> Result<(), RunError> {
+    let mut checked = None;
     if settings.engine_auto {
-        settings.engines = auto_engines(settings, gpus);
+        (settings.engines, checked) = auto_engines(settings, gpus);
         settings.engine_auto = false;
     }
     if settings.engines.drafter == Engine::Torch {
@@ -83,15 +84,20 @@ pub(super) fn check_engines(settings: &mut DflashSettings, gpus: &[u32]) -> Resu
     let runtime = settings
         .torch
         .get_or_insert_with(|| super::torch_engine::runtime(None));
-    let report = super::torch_engine::check(runtime, gpus).map_err(RunError::Invalid)?;
-    tracing::info!("torch engine: {}", report.describe());
+    if checked.is_none() {
+        let report = super::torch_engine::check(runtime, gpus).map_err(RunError::Invalid)?;
+        tracing::info!("torch engine: {}", report.describe());
+    }
     Ok(())
 }
 
 /// `--engine auto` on GPU workers: torch for the targets when the pre-flight passes with CUDA
 /// (the drafter stays on candle until the torch engine has one), candle otherwise; says which
-/// and why.
-fn auto_engines(settings: &DflashSettings, gpus: &[u32]) -> Engines {
+/// and why. Returns the pre-flight's report when it chose torch.
+fn auto_engines(
+    settings: &DflashSettings,
+    gpus: &[u32],
+) -> (Engines, Option<super::torch_engine::Preflight>) {
     let runtime = settings
         .torch
         .clone()
@@ -103,14 +109,15 @@ fn auto_engines(settings: &DflashSettings, gpus: &[u32]) -> Engines {
                 "--engine auto: torch for the targets ({}), candle for the drafter (the torch engine has no drafter yet)",
                 report.describe()
             );
-            Engines {
+            let engines = Engines {
                 target: Engine::Torch,
                 drafter: Engine::Candle,
-            }
+            };
+            (engines, Some(report))
         }
         Err(why) => {
             tracing::info!("--engine auto: candle ({why})");
-            Engines::both(Engine::Candle)
+            (Engines::both(Engine::Candle), None)
         }
     }
 }
