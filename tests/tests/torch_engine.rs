@@ -340,3 +340,43 @@ fn a_python_that_cannot_serve_the_engine_is_refused_up_front() {
         );
     }
 }
+
+/// A NaN in the torch target's features (the poisoned token's first feature, as the candle
+/// target's fault hook does it) is found by the torch target and named with its layer: the run
+/// stops; resumed with `--on-nonfinite skip`, it skips those steps and completes.
+#[test]
+fn a_nan_in_the_torch_targets_features_stops_the_run_or_skips_the_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = tiny_target(dir.path());
+    let run_dir = dir.path().join("run");
+    let mut c = launch(&run_dir, &target, MIXED, &["--target-layer-ids", "1,2"]);
+    c.env("DFLASH_WORKER_POISON_TOKEN", "517");
+    let out = c.output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("NaN or infinity in the hidden states of target layer 1")
+            && err.contains("--on-nonfinite skip"),
+        "{err}"
+    );
+    assert_clean(&run_dir);
+
+    let mut c = Command::new(bin("dflash-orch"));
+    c.args(["launch", "--resume", "--on-nonfinite", "skip", "--run-dir"])
+        .arg(&run_dir)
+        .env("DFLASH_WORKER_POISON_TOKEN", "517")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    finish(c.spawn().unwrap());
+    let skipped = journal_events(&run_dir, "skipped_step");
+    assert!(!skipped.is_empty(), "no step was skipped");
+    assert!(
+        skipped
+            .iter()
+            .all(|s| s["reason"].as_str().unwrap().contains("target layer 1")),
+        "{skipped:?}"
+    );
+    assert!(losses(&run_dir).iter().all(|(_, l)| l.is_finite()));
+    assert_eq!(journal_events(&run_dir, "end")[0]["status"], "completed");
+}
