@@ -249,8 +249,7 @@ impl Stage for TargetStage {
         {
             values = poisoned(&values, tokens, poison)?;
         }
-        let nonfinite = nonfinite_layer(&values, &self.layer_ids)?
-            .map(|layer| format!("a NaN or infinity in the hidden states of target layer {layer}"));
+        let nonfinite = nonfinite_layer(&values, &self.layer_ids)?.map(nonfinite_features);
         let slot = features.data_mut(out.slot);
         let from = features_offset(self.budget);
         let dst = slot
@@ -260,6 +259,12 @@ impl Stage for TargetStage {
         publish_features(features, out, &batch, self.budget);
         Ok(nonfinite)
     }
+}
+
+/// What a target worker reports when the features of target layer `layer` hold a NaN or an
+/// infinity (whichever engine computed them).
+pub(crate) fn nonfinite_features(layer: usize) -> String {
+    format!("a NaN or infinity in the hidden states of target layer {layer}")
 }
 
 /// The name of the first drafter parameter whose gradient holds a NaN or an infinity.

@@ -231,9 +231,7 @@ impl Stage for TargetStage {
                     .as_u64()
                     .and_then(|j| self.layer_ids.get(j as usize))
                     .ok_or_else(|| format!("the torch engine named no layer {j}"))?;
-                Some(format!(
-                    "a NaN or infinity in the hidden states of target layer {layer}"
-                ))
+                Some(crate::dflash::nonfinite_features(*layer))
             }
         };
         // SYNC POINT: the child's writes to the shared mapping happened before it wrote its

@@ -9,6 +9,8 @@ use std::time::{Duration, Instant};
 use dflash_common::dflash::TorchRuntime;
 use serde::Deserialize;
 
+use crate::format::clip;
+
 /// The oldest versions the engine is built for.
 pub const MIN_PYTHON: (u32, u32) = (3, 10);
 pub const MIN_TORCH: (u32, u32) = (2, 11);
@@ -160,14 +162,6 @@ pub fn probe(runtime: &TorchRuntime) -> Result<Preflight, String> {
     })
 }
 
-fn clip(s: &str, n: usize) -> &str {
-    let mut end = s.len().min(n);
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    &s[..end]
-}
-
 /// Waits for `child`'s output, killing it past `deadline`.
 fn wait_with_deadline(
     mut child: std::process::Child,
@@ -216,8 +210,7 @@ fn wait_with_deadline(
 /// the first thing missing, as one line with the command that installs it.
 pub fn judge(report: &Preflight, python: &Path, gpus: &[u32]) -> Result<(), String> {
     let py = python.display();
-    let old = |found: &str, min: (u32, u32)| major_minor(found).is_none_or(|v| v < min);
-    if old(&report.python, MIN_PYTHON) {
+    if major_minor(&report.python).is_none_or(|v| v < MIN_PYTHON) {
         return Err(format!(
             "the torch engine needs Python >= {}.{}: {py} is Python {} (point --python or DFLASH_PYTHON at a newer one)",
             MIN_PYTHON.0, MIN_PYTHON.1, report.python
@@ -229,52 +222,20 @@ pub fn judge(report: &Preflight, python: &Path, gpus: &[u32]) -> Result<(), Stri
             report.package_path, report.protocol, PROTOCOL
         ));
     }
-    let install = |what: &str, min: (u32, u32)| {
-        format!("`{py} -m pip install '{what}>={}.{}'`", min.0, min.1)
-    };
-    match &report.torch {
-        None => {
-            return Err(format!(
-                "the torch engine needs torch >= {}.{}, and {py} has none{}: install it with {}",
-                MIN_TORCH.0,
-                MIN_TORCH.1,
-                report
-                    .torch_error
-                    .as_deref()
-                    .map(|e| format!(" ({})", clip(e, 200)))
-                    .unwrap_or_default(),
-                install("torch", MIN_TORCH)
-            ));
-        }
-        Some(v) if old(v, MIN_TORCH) => {
-            return Err(format!(
-                "the torch engine needs torch >= {}.{}, {py} has {v}: upgrade it with {}",
-                MIN_TORCH.0,
-                MIN_TORCH.1,
-                install("torch", MIN_TORCH)
-            ));
-        }
-        Some(_) => {}
-    }
-    match &report.transformers {
-        None => {
-            return Err(format!(
-                "the torch engine needs transformers >= {}.{}, and {py} has none: install it with {}",
-                MIN_TRANSFORMERS.0,
-                MIN_TRANSFORMERS.1,
-                install("transformers", MIN_TRANSFORMERS)
-            ));
-        }
-        Some(v) if old(v, MIN_TRANSFORMERS) => {
-            return Err(format!(
-                "the torch engine needs transformers >= {}.{}, {py} has {v}: upgrade it with {}",
-                MIN_TRANSFORMERS.0,
-                MIN_TRANSFORMERS.1,
-                install("transformers", MIN_TRANSFORMERS)
-            ));
-        }
-        Some(_) => {}
-    }
+    require(
+        "torch",
+        report.torch.as_deref(),
+        report.torch_error.as_deref(),
+        MIN_TORCH,
+        python,
+    )?;
+    require(
+        "transformers",
+        report.transformers.as_deref(),
+        report.transformers_error.as_deref(),
+        MIN_TRANSFORMERS,
+        python,
+    )?;
     if let Some(&top) = gpus.iter().max() {
         let torch = report.torch.as_deref().unwrap_or("-");
         if !report.cuda_available {
@@ -294,6 +255,34 @@ pub fn judge(report: &Preflight, python: &Path, gpus: &[u32]) -> Result<(), Stri
         }
     }
     Ok(())
+}
+
+/// A package the engine needs in `python`: `found` (its version, None when it does not import,
+/// with `error` saying why) at least `min`; else one line with the command that installs it.
+fn require(
+    package: &str,
+    found: Option<&str>,
+    error: Option<&str>,
+    min: (u32, u32),
+    python: &Path,
+) -> Result<(), String> {
+    let py = python.display();
+    let install = format!("`{py} -m pip install '{package}>={}.{}'`", min.0, min.1);
+    match found {
+        None => Err(format!(
+            "the torch engine needs {package} >= {}.{}, and {py} has none{}: install it with {install}",
+            min.0,
+            min.1,
+            error
+                .map(|e| format!(" ({})", clip(e, 200)))
+                .unwrap_or_default(),
+        )),
+        Some(v) if major_minor(v).is_none_or(|v| v < min) => Err(format!(
+            "the torch engine needs {package} >= {}.{}, {py} has {v}: upgrade it with {install}",
+            min.0, min.1
+        )),
+        Some(_) => Ok(()),
+    }
 }
 
 /// The pipe protocol this build speaks with `dflash_orch.serve` (the worker's `torch::PROTOCOL`).
