@@ -13,11 +13,10 @@ Two measurements, each a median over timed iterations after untimed warm-up ones
   output_hidden_states=True; --torch-attn sdpa or eager).
 - drafter training step: one micro-batch per optimiser step, as DrafterStage::train: per sequence,
   anchors from the loss mask, the drafter's loss parts, summed and divided by the total weight;
-  backward; clipping to the global norm; AdamW. The PyTorch drafter below is a hand port of
-  worker/src/model/drafter.rs (same shapes, same per-sequence loop, same attention layout), started
-  from the Rust drafter's initial weights (--dump-init) on the same tokens, loss masks and anchors
-  (taken from the Rust run), so both compute the same losses; the table reports how far apart
-  they are.
+  backward; clipping to the global norm; AdamW. The PyTorch side is the torch engine's drafter
+  (python/dflash_orch/drafter.py), started from the Rust drafter's initial weights (--dump-init)
+  on the same tokens, loss masks and anchors (taken from the Rust run), so both compute the same
+  losses; the table reports how far apart they are.
 
 tokens/s = real tokens of the batch / median seconds per iteration; ratio = Rust / PyTorch.
 """
@@ -114,7 +113,8 @@ def target_features(model, indices, lengths, tokens):
 
 
 # ---------------------------------------------------------------------------------------------
-# The drafter: a port of worker/src/model/drafter.rs.
+# The drafter: the torch engine's own (python/dflash_orch/drafter.py, what a `--engine torch`
+# drafter worker runs).
 
 
 def param_names(layers):
@@ -130,97 +130,6 @@ def param_names(layers):
     return names
 
 
-def rope_tables(positions, head_dim, theta):
-    import torch
-
-    inv = torch.tensor([1.0 / theta ** (2.0 * i / head_dim) for i in range(head_dim // 2)],
-                       dtype=torch.float64).to(torch.float32)
-    angles = positions.to(torch.float32).unsqueeze(-1) * inv
-    cos, sin = angles.cos(), angles.sin()
-    return torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
-
-
-def rotate_half(x):
-    import torch
-
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-
-def loss_parts(P, c, features, tokens, loss_mask, anchors, embedding, lm_head, gamma, attn):
-    """Weighted sum of cross-entropies, sum of weights, per-position (correct, counted)."""
-    import torch
-    import torch.nn.functional as F
-
-    s, a, b = len(tokens), len(anchors), c["block_size"]
-    h, d, eps = c["hidden"], c["head_dim"], c["rms_eps"]
-    heads, kv = c["heads"], c["kv_heads"]
-    group = heads // kv
-    ctx = F.rms_norm(F.linear(features, P["fc.weight"]), (h,), P["hidden_norm.weight"], eps)
-    block_ids, block_pos = [], []
-    for anchor in anchors:
-        block_ids += [tokens[anchor]] + [c["mask_token_id"]] * (b - 1)
-        block_pos += list(range(anchor, anchor + b))
-    x = embedding[torch.tensor(block_ids, dtype=torch.long)].reshape(a, b, h)
-    cos_c, sin_c = rope_tables(torch.arange(s), d, c["rope_theta"])
-    cos_b, sin_b = rope_tables(torch.tensor(block_pos).reshape(a, b), d, c["rope_theta"])
-    cos_b, sin_b = cos_b.unsqueeze(1), sin_b.unsqueeze(1)
-    anchors_t = torch.tensor(anchors)
-    ctx_mask = torch.where(torch.arange(s).unsqueeze(0) < anchors_t.unsqueeze(1), 0.0, float("-inf"))
-    ctx_mask = ctx_mask.reshape(a, 1, 1, s)
-    if attn == "sdpa":
-        full_mask = torch.cat([ctx_mask.expand(a, 1, b, s), torch.zeros(a, 1, b, b)], dim=-1)
-    for i in range(c["layers"]):
-        w = lambda n: P[f"layers.{i}.{n}"]  # noqa: E731
-        hn = F.rms_norm(x, (h,), w("input_layernorm.weight"), eps)
-        q = F.linear(hn, w("self_attn.q_proj.weight")).reshape(a, b, heads, d)
-        q = F.rms_norm(q, (d,), w("self_attn.q_norm.weight"), eps).transpose(1, 2)
-        q = q * cos_b + rotate_half(q) * sin_b
-        kb = F.linear(hn, w("self_attn.k_proj.weight")).reshape(a, b, kv, d)
-        kb = F.rms_norm(kb, (d,), w("self_attn.k_norm.weight"), eps).transpose(1, 2)
-        kb = kb * cos_b + rotate_half(kb) * sin_b
-        vb = F.linear(hn, w("self_attn.v_proj.weight")).reshape(a, b, kv, d).transpose(1, 2)
-        kc = F.linear(ctx, w("self_attn.k_proj.weight")).reshape(s, kv, d)
-        kc = F.rms_norm(kc, (d,), w("self_attn.k_norm.weight"), eps).transpose(0, 1)
-        kc = kc * cos_c + rotate_half(kc) * sin_c
-        vc = F.linear(ctx, w("self_attn.v_proj.weight")).reshape(s, kv, d).transpose(0, 1)
-        # Grouped-query attention: key/value head j serves query heads j*group .. (j+1)*group.
-        kb, vb = kb.repeat_interleave(group, dim=1), vb.repeat_interleave(group, dim=1)
-        kc = kc.repeat_interleave(group, dim=0).unsqueeze(0).expand(a, heads, s, d)
-        vc = vc.repeat_interleave(group, dim=0).unsqueeze(0).expand(a, heads, s, d)
-        keys, values = torch.cat([kc, kb], dim=2), torch.cat([vc, vb], dim=2)
-        if attn == "sdpa":
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=full_mask)
-        else:
-            scores = q @ keys.transpose(-1, -2) / math.sqrt(d)
-            scores = torch.cat([scores[..., :s] + ctx_mask, scores[..., s:]], dim=-1)
-            out = torch.softmax(scores, dim=-1) @ values
-        out = out.transpose(1, 2).reshape(a, b, heads * d)
-        x = x + F.linear(out, w("self_attn.o_proj.weight"))
-        n = F.rms_norm(x, (h,), w("post_attention_layernorm.weight"), eps)
-        act = F.silu(F.linear(n, w("mlp.gate_proj.weight"))) * F.linear(n, w("mlp.up_proj.weight"))
-        x = x + F.linear(act, w("mlp.down_proj.weight"))
-    x = F.rms_norm(x, (h,), P["norm.weight"], eps)
-    logits = F.linear(x.reshape(a * b, h), lm_head)
-    targets, weights = [], []
-    for anchor in anchors:
-        for k in range(b):
-            t = anchor + k
-            counted = k >= 1 and t < s and loss_mask[t] != 0
-            targets.append(tokens[t] if t < s else 0)
-            decay = 1.0 if gamma is None else math.exp(-(k - 1.0) / gamma)
-            weights.append(decay if counted else 0.0)
-    targets_t = torch.tensor(targets, dtype=torch.long)
-    w_t = torch.tensor(weights, dtype=torch.float32)
-    total = float(w_t.sum())
-    ce = F.cross_entropy(logits, targets_t, reduction="none")
-    loss_sum = (ce * w_t).sum()
-    predicted = logits.argmax(dim=-1)
-    hit = ((predicted == targets_t) & (w_t > 0)).reshape(a, b).sum(0).tolist()
-    cnt = (w_t > 0).reshape(a, b).sum(0).tolist()
-    return loss_sum, total, list(zip(hit, cnt))
-
-
 def schedule_lr(peak, warmup, total, step):
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -229,18 +138,38 @@ def schedule_lr(peak, warmup, total, step):
     return peak * 0.5 * (1.0 + math.cos(math.pi * done))
 
 
-def train_steps(args, rust, init_path, features, embedding, lm_head, cfg):
+def train_steps(args, rust, init_path, features, cfg):
+    """The torch engine's drafter from the Rust drafter's initial weights, on the Rust run's
+    tokens, loss masks and anchors: per-step times, losses and gradient norms."""
     import torch
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file, save_file
+
+    engine_package()
+    from dflash_orch.drafter import TorchDrafter
 
     init = load_file(init_path)
     names = param_names(cfg["layers"])
     missing = set(names) ^ set(init)
     if missing:
         raise SystemExit(f"bench-dflash: drafter parameters differ from the Rust dump: {sorted(missing)}")
-    P = {n: torch.nn.Parameter(init[n].clone()) for n in names}
-    params = [P[n] for n in names]
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=args.weight_decay)
+    exchange = os.path.join(args.work, "engine-init")
+    os.makedirs(exchange, exist_ok=True)
+    save_file({n: init[n] for n in names}, os.path.join(exchange, "model.safetensors"))
+    zeros = {}
+    for n in names:
+        zeros[f"m.{n}"] = torch.zeros_like(init[n])
+        zeros[f"v.{n}"] = torch.zeros_like(init[n])
+    save_file(zeros, os.path.join(exchange, "optimizer.safetensors"))
+    drafter = TorchDrafter({
+        "dtype": "f32", "feature_dtype": "f32", "model": args.model, "names": names,
+        "shape": {"hidden": cfg["hidden"], "intermediate": cfg["intermediate"],
+                  "layers": cfg["layers"], "heads": cfg["heads"], "kv_heads": cfg["kv_heads"],
+                  "head_dim": cfg["head_dim"], "rms_eps": cfg["rms_eps"],
+                  "rope_theta": cfg["rope_theta"], "vocab": cfg["vocab"]},
+        "block_size": cfg["block_size"], "mask_token_id": cfg["mask_token_id"],
+        "states": cfg["states"], "gamma": args.gamma, "distill": None, "anchor_chunk": None,
+        "weight_decay": args.weight_decay, "weights": exchange, "adam_t": 0,
+    })
     tokens, masks, lengths = rust["tokens"], rust["loss_mask"], rust["lengths"]
     anchors_all = rust["drafter"]["anchors"]
     steps = args.warmup + args.train_iters
@@ -248,32 +177,18 @@ def train_steps(args, rust, init_path, features, embedding, lm_head, cfg):
     times, losses, norms = [], [], []
     for step in range(steps):
         t0 = time.perf_counter()
-        loss_sum, weight, offset = None, 0.0, 0
+        sequences, offset = [], 0
         for i, n in enumerate(lengths):
-            lo, hi = offset, offset + n
-            offset = hi
-            anchors = anchors_all[step][i]
-            if not anchors:
-                continue
-            part, w, _acc = loss_parts(P, cfg, features[lo:hi], tokens[lo:hi], masks[lo:hi], anchors,
-                                       embedding, lm_head, args.gamma, args.torch_attn)
-            weight += w
-            loss_sum = part if loss_sum is None else loss_sum + part
-        loss, norm = float("nan"), 0.0
-        if loss_sum is not None and weight > 0:
-            mean = loss_sum / weight
-            loss = mean.item()
-            opt.zero_grad(set_to_none=True)
-            mean.backward()
-            norm = float(torch.nn.utils.clip_grad_norm_(params, args.clip))
-            for g in opt.param_groups:
-                g["lr"] = schedule_lr(args.lr, warmup, steps, step)
-            opt.step()
+            if anchors_all[step][i]:
+                sequences.append((offset, n, anchors_all[step][i]))
+            offset += n
+        out = drafter.micro_batch(features, tokens, masks, sequences, 1)
+        stepped = drafter.step(schedule_lr(args.lr, warmup, steps, step), args.clip, False)
         elapsed = time.perf_counter() - t0
         if step >= args.warmup:
             times.append(elapsed)
-        losses.append(loss)
-        norms.append(norm)
+        losses.append(out["loss"] if out["weight"] > 0 else float("nan"))
+        norms.append(stepped.get("grad_norm") or 0.0)
     return times, losses, norms
 
 
@@ -344,17 +259,15 @@ def main():
         if i >= args.warmup:
             e_times.append(time.perf_counter() - t0)
     engine_diff = (slot - features).abs().max().item()
-    sd = model.state_dict()
-    embedding = sd["model.embed_tokens.weight"].detach()
-    lm_head = (sd["lm_head.weight"] if "lm_head.weight" in sd else embedding).detach()
     cfg = {
         "hidden": tc.hidden_size, "intermediate": tc.intermediate_size, "layers": args.draft_layers,
         "heads": tc.num_attention_heads, "kv_heads": tc.num_key_value_heads,
         "head_dim": getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
         "rms_eps": tc.rms_norm_eps, "rope_theta": wl_rope_theta(args.model),
         "block_size": args.block_size, "mask_token_id": wl["mask_token_id"],
+        "vocab": tc.vocab_size, "states": len(indices),
     }
-    d_times, losses, norms = train_steps(args, rust, init_path, features.detach(), embedding, lm_head, cfg)
+    d_times, losses, norms = train_steps(args, rust, init_path, features.detach(), cfg)
 
     torch_t = statistics.median(t_times)
     torch_d = statistics.median(d_times)
@@ -370,7 +283,7 @@ def main():
          "rust_ms": 1e3 * rust_t, "torch_ms": 1e3 * torch_t,
          "rust_tokens_per_s": total / rust_t, "torch_tokens_per_s": total / torch_t,
          "ratio": torch_t / rust_t},
-        {"measurement": "drafter training step", "tokens": total,
+        {"measurement": "drafter training step, torch engine (dflash_orch)", "tokens": total,
          "rust_ms": 1e3 * rust_d, "torch_ms": 1e3 * torch_d,
          "rust_tokens_per_s": total / rust_d, "torch_tokens_per_s": total / torch_d,
          "ratio": torch_d / rust_d},
@@ -441,16 +354,22 @@ def main():
     return 0
 
 
-def engine_target(model_dir, indices):
-    """The torch engine's target, from the tree's python/ (beside scripts/, or beside this file in
-    a packaged GPU check)."""
-    import torch
-
+def engine_package():
+    """Puts the tree's python/ (beside scripts/, or beside this file in a packaged GPU check) on
+    the import path."""
     here = os.path.dirname(os.path.abspath(__file__))
     for root in (os.path.join(here, "python"), os.path.join(here, "..", "python")):
         if os.path.isfile(os.path.join(root, "dflash_orch", "target.py")):
-            sys.path.insert(0, root)
+            if root not in sys.path:
+                sys.path.insert(0, root)
             break
+
+
+def engine_target(model_dir, indices):
+    """The torch engine's target."""
+    import torch
+
+    engine_package()
     from dflash_orch.target import TorchTarget
 
     return TorchTarget(model_dir, indices, torch.float32, torch.device("cpu"))

@@ -16,6 +16,16 @@ Requests:
   features `[tokens, n * hidden]` into bytes `O .. O + B` of the ring and answers
   `{"ok": true, "nonfinite": null | j}` (j: the position in `indices` of the first layer whose
   features hold a NaN or an infinity).
+- `{"op": "init", "role": "drafter", "model": DIR, "names": [...], "shape": {...},
+  "block_size": B, "mask_token_id": M, "states": n, "gamma": g|null, "distill": [share, T]|null,
+  "anchor_chunk": c|null, "weight_decay": wd, "dtype", "feature_dtype", "ring", "weights": DIR,
+  "adam_t": t, "threads"}` -> loads the drafter (`dflash_orch.drafter`) with the weights and
+  moments in `weights` (a checkpoint's `model.safetensors` and `optimizer.safetensors`).
+- `{"op": "train", "offset", "bytes", "tokens": [...], "loss_mask": [...], "width": W,
+  "sequences": [[start, length, [anchor, ...]], ...], "accum": k}` -> forward and backward of one
+  micro-batch, `{"loss", "weight", "anchors", "correct": [...], "counted": [...]}`.
+- `{"op": "step", "lr", "clip", "skip"}` -> `{"grad_norm": g|null}` or `{"nonfinite": NAME}`.
+- `{"op": "snapshot", "dir": DIR}` -> writes the weights and moments there, `{"adam_t": t}`.
 
 A request that cannot be done answers `{"ok": false, "error": "..."}` and the child goes on; a
 request it cannot read ends it (exit 2). End of input ends it (exit 0).
@@ -46,6 +56,7 @@ def _answer_channel():
 class Server:
     def __init__(self):
         self.target = None
+        self.drafter = None
         self.ring = None
         self.map = None
 
@@ -60,11 +71,23 @@ class Server:
                 f"dflash-worker speaks protocol {req.get('protocol')}, this dflash_orch package "
                 f"{PROTOCOL} ({__file__}): install the package of the same tree"
             )
-        if req.get("role") != "target":
-            raise Refused(f"role {req.get('role')!r}: this engine serves the target role")
+        role = req.get("role")
+        if role not in ("target", "drafter"):
+            raise Refused(f"role {role!r}: this engine serves the target and drafter roles")
         threads = int(req.get("threads") or 0)
         if threads > 0:
             torch.set_num_threads(threads)
+        self.map_ring(req["ring"])
+        if role == "drafter":
+            from .drafter import TorchDrafter
+
+            self.drafter = TorchDrafter(req)
+            return {
+                "protocol": PROTOCOL,
+                "attention": self.drafter.attention,
+                "device": str(self.drafter.device),
+                "torch": torch.__version__,
+            }
         device = device_for(os.environ.get("CUDA_VISIBLE_DEVICES"))
         layers = num_layers(req["model"])
         indices = [int(k) + 1 for k in req["layer_ids"]] + ([layers] if req.get("final") else [])
@@ -76,9 +99,6 @@ class Server:
             dtype_of(req["feature_dtype"]),
         )
         self.token_budget = int(req["token_budget"])
-        path = req["ring"]
-        self.ring = open(path, "r+b")
-        self.map = mmap.mmap(self.ring.fileno(), 0)
         return {
             "protocol": PROTOCOL,
             "vocab": self.target.vocab_size,
@@ -90,29 +110,70 @@ class Server:
             "transformers": transformers.__version__,
         }
 
-    def forward(self, req):
+    def map_ring(self, path):
+        self.ring = open(path, "r+b")
+        self.map = mmap.mmap(self.ring.fileno(), 0)
+
+    def features(self, req, tokens, width, dtype):
+        """The `[tokens, width]` features at the request's byte range of the ring (a view of
+        the mapping, no copy)."""
         import torch
 
-        if self.target is None:
-            raise Refused("forward before init")
-        tokens = req["tokens"]
-        lengths = req["lengths"]
         offset, size = int(req["offset"]), int(req["bytes"])
         if offset < 0 or size < 0 or offset + size > len(self.map):
             raise Refused(f"bytes {offset}..{offset + size} are outside the ring "
                           f"({len(self.map)} bytes)")
-        width = len(self.target.indices) * self.target.hidden
-        element = torch.empty((), dtype=self.target.feature_dtype).element_size()
-        need = len(tokens) * width * element
+        element = torch.empty((), dtype=dtype).element_size()
+        need = tokens * width * element
         if need > size:
-            raise Refused(f"{len(tokens)} tokens of features need {need} bytes, "
-                          f"the slot has {size}")
+            raise Refused(f"{tokens} tokens of features need {need} bytes, the slot has {size}")
         raw = torch.frombuffer(self.map, dtype=torch.uint8, count=need, offset=offset)
-        out = raw.view(self.target.feature_dtype).view(len(tokens), width)
+        return raw.view(dtype).view(tokens, width)
+
+    def forward(self, req):
+        if self.target is None:
+            raise Refused("forward before init")
+        tokens = req["tokens"]
+        lengths = req["lengths"]
+        width = len(self.target.indices) * self.target.hidden
+        out = self.features(req, len(tokens), width, self.target.feature_dtype)
         nonfinite = self.target.features_into(tokens, lengths, out, self.token_budget)
         # The bytes are in the shared mapping before the answer is written; the worker reads the
         # answer, then publishes the slot (its Release store orders our writes for the reader).
         return {"nonfinite": nonfinite}
+
+
+    def train(self, req):
+        if self.drafter is None:
+            raise Refused("train before init")
+        tokens = req["tokens"]
+        mask = req["loss_mask"]
+        if len(mask) != len(tokens):
+            raise Refused(f"{len(tokens)} tokens, {len(mask)} loss-mask entries")
+        width = int(req["width"])
+        d = self.drafter
+        if width != (d.states + (1 if d.distill else 0)) * d.hidden:
+            raise Refused(f"features of width {width}; this drafter reads "
+                          f"{(d.states + (1 if d.distill else 0)) * d.hidden}")
+        features = self.features(req, len(tokens), width, d.feature_dtype)
+        sequences = []
+        for start, length, anchors in req["sequences"]:
+            if start < 0 or length < 0 or start + length > len(tokens):
+                raise Refused(f"sequence {start}+{length} is outside the batch's {len(tokens)} tokens")
+            if any(not 0 <= p < length for p in anchors):
+                raise Refused(f"an anchor of sequence {start}+{length} is outside it")
+            sequences.append((int(start), int(length), [int(p) for p in anchors]))
+        return d.micro_batch(features, tokens, mask, sequences, int(req["accum"]))
+
+    def step(self, req):
+        if self.drafter is None:
+            raise Refused("step before init")
+        return self.drafter.step(float(req["lr"]), float(req["clip"]), bool(req["skip"]))
+
+    def snapshot(self, req):
+        if self.drafter is None:
+            raise Refused("snapshot before init")
+        return {"adam_t": self.drafter.save(req["dir"])}
 
 
 def main():
@@ -130,8 +191,8 @@ def main():
         try:
             if op == "init":
                 reply = server.init(req)
-            elif op == "forward":
-                reply = server.forward(req)
+            elif op in ("forward", "train", "step", "snapshot"):
+                reply = getattr(server, op)(req)
             else:
                 raise Refused(f"unknown op {op!r}")
             reply["ok"] = True

@@ -43,7 +43,7 @@ fn setup() -> Setup {
             state: checkpoint::TrainingState::default(),
             weights,
             moments: Vec::new(),
-            config: checkpoint::hf_config(&drafter, &c),
+            config: checkpoint::hf_config(&drafter.config, &c),
         },
         1,
     )

@@ -295,7 +295,7 @@ fn drafter_checkpoints_load_back_and_bad_ones_are_named() {
                 .map(|(n, s, v)| (n.clone(), s.clone(), v.clone(), v.clone()))
                 .collect(),
             weights,
-            config: checkpoint::hf_config(&drafter, &f.model.config),
+            config: checkpoint::hf_config(&drafter.config, &f.model.config),
         };
         checkpoint::save(&root, &snapshot, 1).unwrap()
     };

@@ -1,8 +1,9 @@
 //! The torch engine end to end: the Rust worker keeps the loop and the rings, a Python child
 //! (`python -m dflash_orch.serve`, on the test environment's torch and transformers) computes the
-//! target. Its features equal `transformers`' own hidden states on several architectures; a run
-//! with the torch target feeding the candle drafter trains as the candle-only run does; a killed
-//! Python child loses nothing; a Python that cannot serve is refused before anything starts.
+//! target and the drafter. Its features equal `transformers`' own hidden states on several
+//! architectures; its drafter, and the torch target feeding the candle drafter, train as the
+//! candle-only run does; killed torch workers lose nothing; a Python that cannot serve is refused
+//! before anything starts.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -56,11 +57,18 @@ fn tiny_target(dir: &Path) -> PathBuf {
     target
 }
 
+/// A launch of [`RUN_FLAGS`] on `engine`; `extra` adds options or changes those of RUN_FLAGS.
 fn launch(run_dir: &Path, target: &Path, engine: &str, extra: &[&str]) -> Command {
+    let mut flags: Vec<&str> = Vec::new();
+    for pair in RUN_FLAGS.chunks(2) {
+        if !extra.contains(&pair[0]) {
+            flags.extend(pair);
+        }
+    }
     let mut c = Command::new(bin("dflash-orch"));
     c.arg("launch")
         .args(CPU_WORKERS)
-        .args(RUN_FLAGS)
+        .args(flags)
         .args(["--engine", engine])
         .arg("--python")
         .arg(test_python())
@@ -149,18 +157,25 @@ fn the_torch_targets_features_equal_transformers_on_packed_batches() {
     eprintln!("{stdout}");
 }
 
-/// The torch target feeding the candle drafter trains as the candle-only run does: the same
-/// plan and initial weights, per-step losses within 1e-4 relative over every step (f32, CPU).
-/// The run says which engines computed it, in the journal and in its checkpoints.
+/// The engines train alike, from the same plan and initial weights: the torch drafter's per-step
+/// losses (torch target too) and a mixed run's (torch target, candle drafter) equal the
+/// candle-only run's within 1e-4 relative over 60 steps; so do they with distillation mixed in,
+/// gamma, two drafter layers, accumulation and anchor chunks. Anchors, loss weights and layer ids
+/// are decided in Rust for both engines, and every step the drafter worker checks the torch
+/// engine's loss weight against its own, so a drift in the block mask or gamma fails a run; a
+/// drift in the attention's mask or the model fails these comparisons.
 #[test]
-fn a_torch_target_feeding_the_candle_drafter_trains_as_candle_does() {
+fn the_engines_train_alike_from_the_same_plan() {
     let dir = tempfile::tempdir().unwrap();
     let target = tiny_target(dir.path());
     let candle = dir.path().join("candle");
     let mixed = dir.path().join("mixed");
+    let torch = dir.path().join("torch");
     finish(launch(&candle, &target, "candle", &[]).spawn().unwrap());
     finish(launch(&mixed, &target, MIXED, &[]).spawn().unwrap());
+    finish(launch(&torch, &target, "torch", &[]).spawn().unwrap());
     assert_losses_agree(&losses(&mixed), &losses(&candle), 50, 1e-4);
+    assert_losses_agree(&losses(&torch), &losses(&candle), 50, 1e-4);
     let run: Value = serde_json::from_str(
         fs::read_to_string(mixed.join("journal.jsonl"))
             .unwrap()
@@ -174,58 +189,128 @@ fn a_torch_target_feeding_the_candle_drafter_trains_as_candle_does() {
         run["config"]["dflash"]["torch"]["python"],
         test_python().to_str().unwrap()
     );
-    // The engines are part of each checkpoint's fingerprint.
-    let state = |run_dir: &Path| -> Value {
+    // The engines are part of each checkpoint's fingerprint; the torch drafter's checkpoint
+    // holds what the candle drafter's does.
+    let latest = |run_dir: &Path| -> PathBuf {
         let root = run_dir.join("checkpoints");
-        let latest = fs::read_to_string(root.join("latest")).unwrap();
-        serde_json::from_slice(&fs::read(root.join(latest.trim()).join("state.json")).unwrap())
-            .unwrap()
+        root.join(fs::read_to_string(root.join("latest")).unwrap().trim())
     };
-    let (a, b) = (state(&mixed), state(&candle));
+    let state = |run_dir: &Path| -> Value {
+        serde_json::from_slice(&fs::read(latest(run_dir).join("state.json")).unwrap()).unwrap()
+    };
+    let (a, b, c) = (state(&mixed), state(&candle), state(&torch));
     assert_ne!(a["fingerprint"]["engine"], b["fingerprint"]["engine"]);
     assert_eq!(a["fingerprint"]["data"], b["fingerprint"]["data"]);
+    assert_ne!(c["fingerprint"]["engine"], a["fingerprint"]["engine"]);
+    assert_ne!(c["fingerprint"]["engine"], b["fingerprint"]["engine"]);
+    assert_eq!(
+        (c["step"].clone(), c["adam_t"].clone()),
+        (b["step"].clone(), b["adam_t"].clone())
+    );
+    for file in ["model.safetensors", "optimizer.safetensors"] {
+        let names = |run_dir: &Path| -> Vec<String> {
+            let bytes = fs::read(latest(run_dir).join(file)).unwrap();
+            let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+            let header: serde_json::Map<String, Value> =
+                serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+            let mut names: Vec<String> = header
+                .iter()
+                .map(|(k, v)| format!("{k} {} {}", v["dtype"], v["shape"]))
+                .collect();
+            names.sort();
+            names
+        };
+        assert_eq!(names(&torch), names(&candle), "{file}");
+    }
+    assert_eq!(
+        fs::read(latest(&torch).join("config.json")).unwrap(),
+        fs::read(latest(&candle).join("config.json")).unwrap()
+    );
     assert_clean(&mixed);
+    assert_clean(&torch);
+
+    // Distillation mixed in, gamma, two layers, accumulation, anchor chunks.
+    let variant = [
+        "--loss",
+        "mix",
+        "--gamma",
+        "4",
+        "--draft-layers",
+        "2",
+        "--accum",
+        "2",
+        "--anchor-chunk",
+        "5",
+    ];
+    let candle = dir.path().join("candle-mix");
+    let torch = dir.path().join("torch-mix");
+    finish(
+        launch(&candle, &target, "candle", &variant)
+            .spawn()
+            .unwrap(),
+    );
+    finish(launch(&torch, &target, "torch", &variant).spawn().unwrap());
+    assert_losses_agree(&losses(&torch), &losses(&candle), 30, 1e-4);
 }
 
-/// SIGKILL of a target worker's Python child mid-run: the worker goes with it, is restarted,
-/// and the run ends with the undisturbed run's weights, byte for byte. A run whose orchestrator
-/// is SIGKILLed resumes on its own engine to the same weights, and refuses another engine,
-/// naming both.
+/// Exact replay on the torch engine (target and drafter): SIGKILL of a target worker's Python
+/// child mid-run (the worker goes with it and is restarted), then SIGKILL of the drafter worker
+/// (its Python child goes with it; the restarted drafter resumes from its last checkpoint): the
+/// run ends with the undisturbed run's weights, byte for byte. A run whose orchestrator is
+/// SIGKILLed resumes on its own engine to the same weights, and refuses another engine, naming
+/// both.
 #[test]
-fn a_killed_python_child_loses_nothing_and_a_resume_keeps_the_engine() {
+fn killed_torch_workers_lose_nothing_and_a_resume_keeps_the_engine() {
     let dir = tempfile::tempdir().unwrap();
     let target = tiny_target(dir.path());
     let reference = dir.path().join("reference");
-    finish(launch(&reference, &target, MIXED, &[]).spawn().unwrap());
+    finish(launch(&reference, &target, "torch", &[]).spawn().unwrap());
     let run_dir = dir.path().join("run");
-    let child = launch(&run_dir, &target, MIXED, &[]).spawn().unwrap();
+    let child = launch(&run_dir, &target, "torch", &[]).spawn().unwrap();
     wait_until("a few steps", Duration::from_secs(300), || {
-        journal_events(&run_dir, "commit").len() >= 10
+        journal_events(&run_dir, "commit").len() >= 8
     });
     let (_, worker) = worker_pid(&run_dir, "target");
     let python = children(worker as u32);
     assert_eq!(python.len(), 1, "one Python child: {python:?}");
     signal(python[0] as i32, "KILL");
+    wait_until("a checkpoint and more", Duration::from_secs(300), || {
+        journal_events(&run_dir, "commit").len() >= 24
+    });
+    let (_, drafter) = worker_pid(&run_dir, "drafter");
+    assert_eq!(
+        children(drafter as u32).len(),
+        1,
+        "the drafter's Python child"
+    );
+    signal(drafter, "KILL");
     finish(child);
     let exits = journal_events(&run_dir, "worker_exit");
-    assert!(
-        exits
-            .iter()
-            .any(|e| e["pid"].as_u64() == Some(worker as u64)),
-        "the worker of the killed child exited: {exits:?}"
-    );
+    for pid in [worker, drafter] {
+        assert!(
+            exits.iter().any(|e| e["pid"].as_u64() == Some(pid as u64)),
+            "worker {pid} exited: {exits:?}"
+        );
+    }
     let starts = journal_events(&run_dir, "worker_start");
-    assert!(starts.len() >= 4, "and was restarted: {starts:?}");
+    assert!(starts.len() >= 5, "and both were restarted: {starts:?}");
     assert!(
         final_weights(&run_dir) == final_weights(&reference),
         "final model.safetensors differs from the undisturbed run's"
     );
     assert_clean(&run_dir);
+    assert!(
+        fs::read_dir(run_dir.join("checkpoints"))
+            .unwrap()
+            .flatten()
+            .all(|e| !e.file_name().to_string_lossy().starts_with(".engine")),
+        "no exchange directory is left behind"
+    );
 
     // The orchestrator SIGKILLed mid-run: a resume on another engine is refused naming both;
     // the resume on the run's own ends with the undisturbed run's weights.
     let run_dir = dir.path().join("killed");
-    let mut child = launch(&run_dir, &target, MIXED, &[]).spawn().unwrap();
+    let mut child = launch(&run_dir, &target, "torch", &[]).spawn().unwrap();
     wait_until("a checkpoint", Duration::from_secs(300), || {
         journal_events(&run_dir, "commit").len() >= 15
     });
@@ -241,11 +326,11 @@ fn a_killed_python_child_loses_nothing_and_a_resume_keeps_the_engine() {
             .stderr(Stdio::piped());
         c
     };
-    let out = resume(&["--engine", "candle"]).output().unwrap();
+    let out = resume(&["--engine", MIXED]).output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(
-        stderr.contains(&format!("--engine candle (the run has {MIXED})")),
+        stderr.contains(&format!("--engine {MIXED} (the run has torch)")),
         "{stderr}"
     );
     finish(resume(&[]).spawn().unwrap());
@@ -319,12 +404,6 @@ fn a_python_that_cannot_serve_the_engine_is_refused_up_front() {
     assert!(
         String::from_utf8_lossy(&out.stderr).contains("-m pip install 'torch>=2.11'"),
         "names the command that installs it"
-    );
-    // The torch engine's drafter is not built.
-    refused(
-        &[CPU_WORKERS.as_slice(), &["--engine", "torch"]].concat(),
-        &test_python(),
-        "has no drafter yet",
     );
     // The test environment's torch sees no CUDA device here (a machine without a GPU).
     let no_gpu = test_python();

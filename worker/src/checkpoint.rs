@@ -22,7 +22,7 @@ use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::model::drafter::Drafter;
+use crate::model::drafter::{Drafter, DrafterConfig};
 use crate::model::qwen3::Qwen3Config;
 use crate::train::AdamW;
 
@@ -120,6 +120,53 @@ fn sync_dir(path: &Path) {
     let _ = fs::File::open(path).and_then(|d| d.sync_all());
 }
 
+/// Writes `model.safetensors` (the weights) and `optimizer.safetensors` (their moments, `m.NAME`
+/// and `v.NAME`) into `dir`: a checkpoint's tensors, and what the torch engine's child and this
+/// process hand each other.
+pub fn write_tensors(
+    dir: &Path,
+    weights: &[NamedTensor],
+    moments: &[NamedMoments],
+) -> io::Result<()> {
+    let weights: Vec<(String, &[usize], &[f32])> = weights
+        .iter()
+        .map(|(n, s, v)| (n.clone(), s.as_slice(), v.as_slice()))
+        .collect();
+    write_safetensors(&dir.join("model.safetensors"), &weights)?;
+    let moments: Vec<(String, &[usize], &[f32])> = moments
+        .iter()
+        .flat_map(|(n, s, m, v)| {
+            [
+                (format!("m.{n}"), s.as_slice(), m.as_slice()),
+                (format!("v.{n}"), s.as_slice(), v.as_slice()),
+            ]
+        })
+        .collect();
+    write_safetensors(&dir.join("optimizer.safetensors"), &moments)
+}
+
+/// Reads what [`write_tensors`] wrote into `dir`: every weight (sorted by name) and the moments
+/// of each.
+pub fn read_tensors(dir: &Path) -> io::Result<(Vec<NamedTensor>, Vec<NamedMoments>)> {
+    let bad = |what: String| io::Error::new(io::ErrorKind::InvalidData, what);
+    let weights = read_safetensors(&dir.join("model.safetensors"))?;
+    let opt = read_safetensors(&dir.join("optimizer.safetensors"))?;
+    let find = |key: String| {
+        opt.iter()
+            .find(|(n, _, _)| *n == key)
+            .map(|(_, _, v)| v.clone())
+    };
+    let moments = weights
+        .iter()
+        .map(|(n, s, _)| {
+            let m = find(format!("m.{n}")).ok_or_else(|| bad(format!("no moment m.{n}")))?;
+            let v = find(format!("v.{n}")).ok_or_else(|| bad(format!("no moment v.{n}")))?;
+            Ok((n.clone(), s.clone(), m, v))
+        })
+        .collect::<io::Result<_>>()?;
+    Ok((weights, moments))
+}
+
 /// Writes one checkpoint under `root` and rotates; returns its directory.
 pub fn save(root: &Path, snapshot: &Snapshot, keep: usize) -> io::Result<PathBuf> {
     fs::create_dir_all(root)?;
@@ -129,23 +176,7 @@ pub fn save(root: &Path, snapshot: &Snapshot, keep: usize) -> io::Result<PathBuf
     let _ = fs::remove_dir_all(&temp);
     fs::create_dir(&temp)?;
     let result = (|| -> io::Result<()> {
-        let weights: Vec<(String, &[usize], &[f32])> = snapshot
-            .weights
-            .iter()
-            .map(|(n, s, v)| (n.clone(), s.as_slice(), v.as_slice()))
-            .collect();
-        write_safetensors(&temp.join("model.safetensors"), &weights)?;
-        let moments: Vec<(String, &[usize], &[f32])> = snapshot
-            .moments
-            .iter()
-            .flat_map(|(n, s, m, v)| {
-                [
-                    (format!("m.{n}"), s.as_slice(), m.as_slice()),
-                    (format!("v.{n}"), s.as_slice(), v.as_slice()),
-                ]
-            })
-            .collect();
-        write_safetensors(&temp.join("optimizer.safetensors"), &moments)?;
+        write_tensors(&temp, &snapshot.weights, &snapshot.moments)?;
         fs::write(
             temp.join("config.json"),
             serde_json::to_vec_pretty(&snapshot.config)?,
@@ -210,21 +241,7 @@ pub fn load_latest(root: &Path) -> io::Result<Option<(PathBuf, Snapshot)>> {
         .map_err(|e| bad(format!("{}: {e}", dir.join("state.json").display())))?;
     let config: Value = serde_json::from_slice(&fs::read(dir.join("config.json"))?)
         .map_err(|e| bad(format!("{}: {e}", dir.join("config.json").display())))?;
-    let weights = read_safetensors(&dir.join("model.safetensors"))?;
-    let opt = read_safetensors(&dir.join("optimizer.safetensors"))?;
-    let find = |key: String| {
-        opt.iter()
-            .find(|(n, _, _)| *n == key)
-            .map(|(_, _, v)| v.clone())
-    };
-    let moments = weights
-        .iter()
-        .map(|(n, s, _)| {
-            let m = find(format!("m.{n}")).ok_or_else(|| bad(format!("no moment m.{n}")))?;
-            let v = find(format!("v.{n}")).ok_or_else(|| bad(format!("no moment v.{n}")))?;
-            Ok((n.clone(), s.clone(), m, v))
-        })
-        .collect::<io::Result<_>>()?;
+    let (weights, moments) = read_tensors(&dir)?;
     Ok(Some((
         dir,
         Snapshot {
@@ -407,7 +424,9 @@ pub fn remove_stale(root: &Path) {
             continue;
         };
         let stale = match name.strip_prefix('.').and_then(|n| n.rsplit_once(".tmp-")) {
-            Some((what, pid)) if what == "latest" || what.starts_with("step-") => {
+            Some((what, pid))
+                if what == "latest" || what == "engine" || what.starts_with("step-") =>
+            {
                 pid.parse::<u32>().is_ok_and(|pid| !alive(pid))
             }
             _ => name == ".latest.tmp",
@@ -806,8 +825,7 @@ mod tests {
 /// `auto_map` names the class as the published DFlash drafters do: `AutoModel` with
 /// `trust_remote_code` finds it in a `dflash.py` beside the weights, and the `dflash` package's
 /// `DFlashDraftModel.from_pretrained` loads the directory as it is.
-pub fn hf_config(drafter: &Drafter, target: &Qwen3Config) -> Value {
-    let c = &drafter.config;
+pub fn hf_config(c: &DrafterConfig, target: &Qwen3Config) -> Value {
     serde_json::json!({
         "architectures": ["DFlashDraftModel"],
         "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
@@ -879,6 +897,27 @@ pub fn snapshot(
     })
 }
 
+/// Checks that a snapshot holds every weight of a drafter of `config`, in its shape, with its
+/// moments.
+pub fn fits(snapshot: &Snapshot, config: &DrafterConfig) -> Result<(), String> {
+    for (name, shape, _) in config.tensors() {
+        let (_, found, _) = snapshot
+            .weights
+            .iter()
+            .find(|(n, _, _)| *n == name)
+            .ok_or_else(|| format!("checkpoint has no {name}"))?;
+        if *found != shape {
+            return Err(format!(
+                "{name}: checkpoint shape {found:?}, drafter {shape:?}"
+            ));
+        }
+        if !snapshot.moments.iter().any(|(n, ..)| *n == name) {
+            return Err(format!("checkpoint has no moments of {name}"));
+        }
+    }
+    Ok(())
+}
+
 /// Puts a snapshot's weights and moments back into a drafter of the same shape and its optimiser.
 pub fn restore(
     snapshot: &Snapshot,
@@ -886,19 +925,13 @@ pub fn restore(
     opt: &mut AdamW,
     device: &Device,
 ) -> Result<(), String> {
+    fits(snapshot, &drafter.config)?;
     for (i, p) in drafter.params.iter().enumerate() {
         let (_, shape, values) = snapshot
             .weights
             .iter()
             .find(|(n, _, _)| *n == p.name)
             .ok_or_else(|| format!("checkpoint has no {}", p.name))?;
-        if shape.as_slice() != p.var.as_tensor().dims() {
-            return Err(format!(
-                "{}: checkpoint shape {shape:?}, drafter {:?}",
-                p.name,
-                p.var.as_tensor().dims()
-            ));
-        }
         let tensor = |v: &[f32]| {
             Tensor::from_vec(v.to_vec(), shape.clone(), device).map_err(|e| e.to_string())
         };
@@ -988,7 +1021,7 @@ mod resume_tests {
     #[test]
     fn config_json_describes_the_drafter() {
         let d = drafter();
-        let value = hf_config(&d, &tiny_target(4));
+        let value = hf_config(&d.config, &tiny_target(4));
         let read =
             dflash_common::eval::DraftConfig::parse(&serde_json::to_vec(&value).unwrap()).unwrap();
         let c = &d.config;
@@ -1045,7 +1078,13 @@ mod resume_tests {
         };
         save(
             &root,
-            &snapshot(&first, &opt1, state, hf_config(&first, &tiny_target(4))).unwrap(),
+            &snapshot(
+                &first,
+                &opt1,
+                state,
+                hf_config(&first.config, &tiny_target(4)),
+            )
+            .unwrap(),
             2,
         )
         .unwrap();

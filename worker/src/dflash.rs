@@ -8,18 +8,21 @@
 //! Every random choice of a step (the anchors) is derived from (seed, step, sequence), and the
 //! initial weights from the seed, so replaying the plan from a checkpoint gives the same weights.
 
+use std::ops::Range;
 use std::path::Path;
 use std::time::Instant;
 
 use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
-use dflash_common::dflash::{DflashSettings, NonFinite, Precision};
+use dflash_common::dflash::{DflashSettings, Engine, NonFinite, Precision};
 use dflash_common::ring::{
     Layout, Ring, features_offset, read_lengths, read_masks, read_tokens, token_checksum,
 };
 use dflash_common::wire::{BatchId, Group, SlotRef, TrainMetrics, Update};
 
 use crate::checkpoint::{self, TrainingState};
-use crate::model::drafter::{Drafter, DrafterConfig, Heads, MicroBatch, Objective};
+use crate::model::drafter::{
+    Drafter, DrafterConfig, Heads, MicroBatch, MicroBatchLoss, Objective, block_weights,
+};
 use crate::model::qwen3::{self, Qwen3};
 use crate::rng::SplitMix64;
 use crate::stage::{Stage, check_written, publish_features, read_target_batch};
@@ -359,46 +362,81 @@ pub fn sample_anchors(
     eligible
 }
 
-/// The drafter stage: trains on features in plan order and checkpoints.
-pub struct DrafterStage {
-    settings: DflashSettings,
+/// A micro-batch's features in its feature slot: the slot's bytes from the first feature on, and
+/// where that first byte lies in the ring's file (the torch engine's child maps the file).
+#[derive(Clone, Copy)]
+pub struct SlotFeatures<'a> {
+    pub bytes: &'a [u8],
+    pub file_offset: u64,
+    /// `[tokens, width]` features.
+    pub tokens: usize,
+    pub width: usize,
+}
+
+/// What became of a group's optimiser step.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Stepped {
+    /// Gradients clipped and AdamW stepped; their norm before clipping.
+    Applied { grad_norm: f64 },
+    /// The gradients hold a NaN or an infinity, first in this parameter: no step.
+    NonFinite(String),
+    /// Nothing to step on (no gradient, or the step was to be skipped).
+    Nothing,
+}
+
+/// The drafter's compute on one engine: the forward and backward passes of micro-batches, the
+/// optimiser, and their state for checkpoints. [`DrafterStage`] around it owns the rest (plan
+/// order, anchors, loss weights, schedule, non-finite policy, checkpoint files), for both engines.
+pub trait DrafterCompute {
+    /// Forward and backward of one micro-batch: `sequences` are the ranges of its sequences in
+    /// `tokens` (and the features' rows) with their anchors. Adds its gradients, scaled by
+    /// `1 / (weight · accum)`, to the group's.
+    fn micro_batch(
+        &mut self,
+        features: SlotFeatures,
+        tokens: &[u32],
+        loss_mask: &[u8],
+        sequences: &[(Range<usize>, Vec<usize>)],
+        accum: usize,
+    ) -> Result<MicroBatchLoss, String>;
+
+    /// Ends a group: with `skip` drops its gradients; else clips them to the norm `clip` and,
+    /// when their norm is finite, steps AdamW at `lr`.
+    fn step(&mut self, lr: f64, clip: f64, skip: bool) -> Result<Stepped, String>;
+
+    /// Copies the weights and the moments for a checkpoint holding `state` and `config`.
+    fn snapshot(
+        &mut self,
+        state: TrainingState,
+        config: serde_json::Value,
+    ) -> Result<checkpoint::Snapshot, String>;
+}
+
+/// The drafter on candle, in this process.
+pub struct CandleDrafter {
     drafter: Drafter,
     opt: AdamW,
     accum: Accumulator,
-    schedule: Schedule,
     embedding: Tensor,
     lm_head: Tensor,
-    writer: Option<checkpoint::Writer>,
-    hf_config: serde_json::Value,
+    objective: Objective,
+    chunk: Option<usize>,
+    feature_dtype: DType,
     device: Device,
-    width: usize,
-    /// Optimiser steps taken.
-    step: u64,
-    /// Batches of the run in the weights (the plan position after the last update).
-    cursor: u64,
-    epoch: u32,
-    saved_step: u64,
-    resumed_step: u64,
-    group_loss: f64,
-    /// Why the optimiser step of the current group is to be skipped (`--on-nonfinite skip`).
-    skip: Option<String>,
 }
 
-impl DrafterStage {
-    pub fn new(settings: &DflashSettings, device: &Device) -> Result<Self, String> {
-        let target = qwen3::read_config(&settings.target_model).map_err(err)?;
-        settings.check(&target)?;
+impl CandleDrafter {
+    /// The drafter of `config` with the run's initial weights, or those of `resume`.
+    pub fn new(
+        settings: &DflashSettings,
+        config: DrafterConfig,
+        resume: Option<&checkpoint::Snapshot>,
+    ) -> Result<Self, String> {
+        let device = device()?;
         let compute = dtype(settings.dtype);
         let (embedding, lm_head) =
-            qwen3::load_heads(&settings.target_model, device, compute).map_err(err)?;
-        let config = DrafterConfig::for_target(
-            &target,
-            settings.draft_layers,
-            settings.block_size,
-            settings.mask_token_id,
-            settings.target_layer_ids.clone(),
-        );
-        let drafter = Drafter::new(config, settings.seed, device)
+            qwen3::load_heads(&settings.target_model, &device, compute).map_err(err)?;
+        let drafter = Drafter::new(config, settings.seed, &device)
             .map_err(err)?
             .with_compute(compute);
         let vars = drafter.params.iter().map(|p| p.var.clone()).collect();
@@ -410,16 +448,144 @@ impl DrafterStage {
             },
         )
         .map_err(err)?;
-        let (mut step, mut cursor, mut epoch) = (0, 0, 0);
+        if let Some(snapshot) = resume {
+            checkpoint::restore(snapshot, &drafter, &mut opt, &device)?;
+        }
+        Ok(Self {
+            drafter,
+            opt,
+            accum: Accumulator::default(),
+            embedding,
+            lm_head,
+            objective: objective(settings),
+            chunk: settings.anchor_chunk,
+            feature_dtype: dtype(settings.feature_dtype),
+            device,
+        })
+    }
+}
+
+/// The loss of the run's settings.
+fn objective(settings: &DflashSettings) -> Objective {
+    Objective {
+        gamma: settings.gamma,
+        distill: settings.distill(),
+    }
+}
+
+impl DrafterCompute for CandleDrafter {
+    fn micro_batch(
+        &mut self,
+        features: SlotFeatures,
+        tokens: &[u32],
+        loss_mask: &[u8],
+        sequences: &[(Range<usize>, Vec<usize>)],
+        accum: usize,
+    ) -> Result<MicroBatchLoss, String> {
+        let n = features.tokens * features.width * self.feature_dtype.size_in_bytes();
+        let bytes = features
+            .bytes
+            .get(..n)
+            .ok_or_else(|| format!("the feature slot is short of {} tokens", features.tokens))?;
+        // One copy out of the slot (host to device on a GPU), no per-element parsing.
+        let all = Tensor::from_raw_buffer(
+            bytes,
+            self.feature_dtype,
+            &[features.tokens, features.width],
+            &self.device,
+        )
+        .map_err(err)?;
+        let (grads, batch) = self
+            .drafter
+            .micro_batch(
+                MicroBatch {
+                    features: &all,
+                    tokens,
+                    loss_mask,
+                    sequences,
+                },
+                Heads {
+                    embedding: &self.embedding,
+                    lm_head: &self.lm_head,
+                },
+                self.objective,
+                self.chunk,
+                accum,
+            )
+            .map_err(err)?;
+        if let Some(grads) = grads {
+            self.accum.sum(grads).map_err(err)?;
+        }
+        Ok(batch)
+    }
+
+    fn step(&mut self, lr: f64, clip: f64, skip: bool) -> Result<Stepped, String> {
+        let Some(mut grads) = self.accum.take().filter(|_| !skip) else {
+            return Ok(Stepped::Nothing);
+        };
+        let grad_norm = clip_grad_norm(&mut grads, clip).map_err(err)?;
+        if !grad_norm.is_finite() {
+            return Ok(Stepped::NonFinite(first_nonfinite(&grads, &self.drafter)?));
+        }
+        self.opt.step(&grads, lr).map_err(err)?;
+        Ok(Stepped::Applied { grad_norm })
+    }
+
+    fn snapshot(
+        &mut self,
+        state: TrainingState,
+        config: serde_json::Value,
+    ) -> Result<checkpoint::Snapshot, String> {
+        checkpoint::snapshot(&self.drafter, &self.opt, state, config).map_err(err)
+    }
+}
+
+/// The drafter stage: trains on features in plan order and checkpoints.
+pub struct DrafterStage {
+    settings: DflashSettings,
+    compute: Box<dyn DrafterCompute>,
+    schedule: Schedule,
+    writer: Option<checkpoint::Writer>,
+    hf_config: serde_json::Value,
+    width: usize,
+    feature_bytes: usize,
+    /// Optimiser steps taken.
+    step: u64,
+    /// Batches of the run in the weights (the plan position after the last update).
+    cursor: u64,
+    epoch: u32,
+    saved_step: u64,
+    resumed_step: u64,
+    /// Micro-batches of the current group done.
+    micro: usize,
+    group_loss: f64,
+    /// Why the optimiser step of the current group is to be skipped (`--on-nonfinite skip`).
+    skip: Option<String>,
+}
+
+impl DrafterStage {
+    /// The drafter of the run's settings on the engine they name, from the run's latest
+    /// checkpoint when there is one; `feature_ring` is the ring the torch engine's child maps.
+    pub fn new(settings: &DflashSettings, feature_ring: &Path) -> Result<Self, String> {
+        let target = qwen3::read_config(&settings.target_model).map_err(err)?;
+        settings.check(&target)?;
+        let config = DrafterConfig::for_target(
+            &target,
+            settings.draft_layers,
+            settings.block_size,
+            settings.mask_token_id,
+            settings.target_layer_ids.clone(),
+        );
         let root = &settings.checkpoint_dir;
-        if let Some((dir, snapshot)) = checkpoint::load_latest(root).map_err(|e| {
+        let latest = checkpoint::load_latest(root).map_err(|e| {
             format!(
                 "cannot read the latest checkpoint in {}: {e}",
                 root.display()
             )
-        })? {
+        })?;
+        if let Some((dir, snapshot)) = &latest {
             let unchecked = checkpoint::check_fingerprint(
-                &dir,
+                dir,
                 &settings.fingerprint,
                 &snapshot.state.fingerprint,
             )?;
@@ -433,49 +599,59 @@ impl DrafterStage {
                     dir.display()
                 );
             }
-            checkpoint::restore(&snapshot, &drafter, &mut opt, device).map_err(|e| {
-                format!(
-                    "the latest checkpoint in {} does not fit this drafter: {e}",
-                    root.display()
-                )
-            })?;
-            step = snapshot.state.step;
-            cursor = snapshot.state.plan_cursor;
-            epoch = snapshot.state.epoch;
         }
-        let hf_config = checkpoint::hf_config(&drafter, &target);
+        let resume = latest.as_ref().map(|(_, snapshot)| snapshot);
+        let misfit = |e: String| {
+            format!(
+                "the latest checkpoint in {} does not fit this drafter: {e}",
+                root.display()
+            )
+        };
+        if let Some(snapshot) = resume {
+            checkpoint::fits(snapshot, &config).map_err(misfit)?;
+        }
+        let hf_config = checkpoint::hf_config(&config, &target);
+        let compute: Box<dyn DrafterCompute> = match settings.engines.drafter {
+            Engine::Candle => Box::new(CandleDrafter::new(settings, config, resume)?),
+            Engine::Torch => Box::new(crate::torch::DrafterEngine::new(
+                settings,
+                &config,
+                resume,
+                feature_ring,
+            )?),
+        };
+        let (step, cursor, epoch) = resume.map_or((0, 0, 0), |s| {
+            (s.state.step, s.state.plan_cursor, s.state.epoch)
+        });
+        drop(latest);
         let writer = checkpoint::Writer::start(root.clone(), settings.keep_checkpoints)
             .map_err(|e| format!("cannot start the checkpoint writer: {e}"))?;
+        let width = settings.feature_width(&target) as usize;
         Ok(Self {
             schedule: Schedule {
                 peak: settings.lr,
                 warmup: settings.warmup_steps(),
                 total: settings.total_steps,
             },
-            width: settings.feature_width(&target) as usize,
+            width,
+            feature_bytes: width * dtype(settings.feature_dtype).size_in_bytes(),
             settings: settings.clone(),
-            drafter,
-            opt,
-            accum: Accumulator::default(),
-            embedding,
-            lm_head,
+            compute,
             writer: Some(writer),
             hf_config,
-            device: device.clone(),
             step,
             cursor,
             epoch,
             saved_step: step,
             resumed_step: step,
+            micro: 0,
             group_loss: 0.0,
             skip: None,
         })
     }
 
     fn save(&mut self) -> Result<(), String> {
-        let snapshot = checkpoint::snapshot(
-            &self.drafter,
-            &self.opt,
+        let snapshot = self.compute.snapshot(
             TrainingState {
                 step: self.step,
                 epoch: self.epoch,
@@ -484,8 +660,7 @@ impl DrafterStage {
                 fingerprint: self.settings.fingerprint.clone(),
             },
             self.hf_config.clone(),
-        )
-        .map_err(err)?;
+        )?;
         if let Some(w) = &mut self.writer {
             // Waits while the writer is a checkpoint behind.
             w.submit(snapshot).map_err(err)?;
@@ -548,12 +723,10 @@ impl Stage for DrafterStage {
     ) -> Result<(u32, Option<TrainMetrics>), String> {
         let started = Instant::now();
         self.check_writer()?;
-        if group.index as usize != self.accum.micro
-            || id.step != self.cursor + u64::from(group.index)
-        {
+        if group.index as usize != self.micro || id.step != self.cursor + u64::from(group.index) {
             return Err(format!(
                 "out of plan order: the drafter is at plan position {} (+{} micro-batches), the job is step {} (position {} of its group)",
-                self.cursor, self.accum.micro, id.step, group.index
+                self.cursor, self.micro, id.step, group.index
             ));
         }
         let meta = check_written(features, at)?;
@@ -569,19 +742,16 @@ impl Stage for DrafterStage {
         }
         let masks = read_masks(data, &meta)?;
         let from = features_offset(self.settings.token_budget);
-        let feature_dtype = dtype(self.settings.feature_dtype);
-        let n = tokens.len() * self.width * feature_dtype.size_in_bytes();
+        let n = tokens.len() * self.feature_bytes;
         let bytes = data
             .get(from..from + n)
             .ok_or_else(|| format!("feature slot {} claims {} tokens", at.slot, tokens.len()))?;
-        // One copy out of the slot (host to device on a GPU), no per-element parsing.
-        let all = Tensor::from_raw_buffer(
+        let slot_features = SlotFeatures {
             bytes,
-            feature_dtype,
-            &[tokens.len(), self.width],
-            &self.device,
-        )
-        .map_err(err)?;
+            file_offset: features.data_file_offset(at.slot) + from as u64,
+            tokens: tokens.len(),
+            width: self.width,
+        };
         let at_batch = format!(
             "batch {} of epoch {} (step {})",
             id.batch, id.epoch, id.step
@@ -591,9 +761,11 @@ impl Stage for DrafterStage {
         if let Some(what) = nonfinite {
             self.nonfinite(format!("the features of {at_batch}: {what}"))?;
         }
-        // Every sequence's anchors, drawn from (seed, step, sequence).
+        // Every sequence's anchors, drawn from (seed, step, sequence), and the loss weight they
+        // carry: both decided here, for either engine.
         let mut offset = 0;
         let mut sequences = Vec::with_capacity(lengths.len());
+        let mut weight = 0.0;
         for (i, &len) in lengths.iter().enumerate() {
             let range = offset..offset + len as usize;
             offset += len as usize;
@@ -605,64 +777,57 @@ impl Stage for DrafterStage {
                 i as u64,
             );
             if !picked.is_empty() && !poisoned {
+                let weights = block_weights(
+                    &masks[range.clone()],
+                    &picked,
+                    self.settings.block_size,
+                    self.settings.gamma,
+                );
+                weight += f64::from(weights.iter().sum::<f32>());
                 sequences.push((range, picked));
             }
         }
-        let (grads, mut batch) = self
-            .drafter
-            .micro_batch(
-                MicroBatch {
-                    features: &all,
-                    tokens: &tokens,
-                    loss_mask: masks,
-                    sequences: &sequences,
-                },
-                Heads {
-                    embedding: &self.embedding,
-                    lm_head: &self.lm_head,
-                },
-                Objective {
-                    gamma: self.settings.gamma,
-                    distill: self.settings.distill(),
-                },
-                self.settings.anchor_chunk,
-                group.len as usize,
-            )
-            .map_err(err)?;
+        let mut batch = self.compute.micro_batch(
+            slot_features,
+            &tokens,
+            masks,
+            &sequences,
+            group.len as usize,
+        )?;
+        if (batch.weight - weight).abs() > 1e-5 * weight.max(1.0) {
+            return Err(format!(
+                "the drafter engine weighed {at_batch} {}, the stage {weight}: its loss weights (block mask, gamma) drifted from this build's",
+                batch.weight
+            ));
+        }
         if !batch.loss.is_finite() {
             self.nonfinite(format!("the loss of {at_batch} is not finite"))?;
             batch.loss = 0.0;
         }
-        if let Some(grads) = grads
-            && self.skip.is_none()
-        {
-            self.accum.sum(grads).map_err(err)?;
-        }
         // A micro-batch with nothing to learn from still takes its place in the group.
-        self.accum.micro += 1;
+        self.micro += 1;
         let (loss, anchors, correct, counted) =
             (batch.loss, batch.anchors, batch.correct, batch.counted);
         self.group_loss += loss / f64::from(group.len);
         let mut update = None;
         if group.is_last() {
-            let mut grad_norm = 0.0;
             let lr = self.schedule.lr(self.step);
-            let grads = self.accum.take();
-            if let Some(mut grads) = grads.filter(|_| self.skip.is_none()) {
-                grad_norm = clip_grad_norm(&mut grads, self.settings.clip).map_err(err)?;
-                if grad_norm.is_finite() {
-                    self.opt.step(&grads, lr).map_err(err)?;
-                } else {
-                    let name = first_nonfinite(&grads, &self.drafter)?;
+            let stepped = self
+                .compute
+                .step(lr, self.settings.clip, self.skip.is_some())?;
+            let grad_norm = match stepped {
+                Stepped::Applied { grad_norm } => grad_norm,
+                Stepped::Nothing => 0.0,
+                Stepped::NonFinite(name) => {
                     self.nonfinite(format!(
                         "the gradient of {name} is not finite at step {} (the group ending with {at_batch})",
                         self.step + 1
                     ))?;
-                    grad_norm = 0.0;
+                    0.0
                 }
-            }
+            };
             let skipped = self.skip.take();
-            self.accum.micro = 0;
+            self.micro = 0;
             self.step += 1;
             self.cursor = id.step + 1;
             self.epoch = id.epoch;

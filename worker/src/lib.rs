@@ -149,26 +149,18 @@ fn load_stage(args: &WorkerArgs, role: Role) -> Result<Box<dyn stage::Stage>, St
         .as_ref()
         .ok_or("--stage dflash needs --dflash-config")?;
     let settings = dflash::read_settings(path)?;
-    match (role, settings.engines.target, settings.engines.drafter) {
-        (Role::Target, Engine::Torch, _) => {
-            let ring = args
-                .feature_ring
-                .as_ref()
-                .ok_or("--feature-ring is required")?;
-            return Ok(Box::new(torch::TargetStage::new(&settings, ring)?));
+    let feature_ring = args
+        .feature_ring
+        .as_ref()
+        .ok_or("--feature-ring is required")?;
+    Ok(match (role, settings.engines.target) {
+        (Role::Target, Engine::Torch) => {
+            Box::new(torch::TargetStage::new(&settings, feature_ring)?)
         }
-        (Role::Drafter, _, Engine::Torch) => {
-            return Err(
-                "the torch engine has no drafter yet: use --engine target=torch,drafter=candle"
-                    .into(),
-            );
+        (Role::Target, Engine::Candle) => {
+            Box::new(dflash::TargetStage::new(&settings, &dflash::device()?)?)
         }
-        _ => {}
-    }
-    let device = dflash::device()?;
-    Ok(match role {
-        Role::Target => Box::new(dflash::TargetStage::new(&settings, &device)?),
-        Role::Drafter => Box::new(dflash::DrafterStage::new(&settings, &device)?),
+        (Role::Drafter, _) => Box::new(dflash::DrafterStage::new(&settings, feature_ring)?),
     })
 }
 

@@ -23,6 +23,11 @@ use dflash_common::ring::{Ring, features_offset};
 use dflash_common::wire::SlotRef;
 use serde_json::{Value, json};
 
+use std::ops::Range;
+
+use crate::checkpoint::{self, Snapshot, TrainingState};
+use crate::dflash::{SlotFeatures, Stepped};
+use crate::model::drafter::{DrafterConfig, MicroBatchLoss};
 use crate::stage::{Stage, publish_features, read_target_batch};
 
 /// The version of the pipe protocol (`dflash_orch.PROTOCOL`).
@@ -161,10 +166,7 @@ impl TargetStage {
             "the torch engine was chosen, but the settings say no Python (a stale dflash.json?)",
         )?;
         let mut child = TorchChild::start(runtime)?;
-        let threads = std::env::var("RAYON_NUM_THREADS")
-            .ok()
-            .and_then(|v| v.parse::<u64>().ok())
-            .unwrap_or(0);
+        let threads = threads();
         let init = child.request(&json!({
             "op": "init",
             "protocol": PROTOCOL,
@@ -238,6 +240,210 @@ impl Stage for TargetStage {
         // answer, which this process has read; `publish_features` publishes them with the batch.
         publish_features(features, out, &batch, self.budget);
         Ok(nonfinite)
+    }
+}
+
+/// The drafter's compute on the torch engine: the child holds the weights, the gradients and
+/// AdamW's moments; this process decides everything else (see [`crate::dflash::DrafterStage`]).
+///
+/// Weights and moments cross between the two as a checkpoint's two tensor files, in a directory
+/// of this process's own beside the checkpoints (`.engine.tmp-PID`): the initial weights (drawn
+/// here from the run's seed, as the candle drafter draws them) or a checkpoint's go in at
+/// start, and a copy comes out for each checkpoint, which this process writes as the candle
+/// drafter's are written.
+pub struct DrafterEngine {
+    child: TorchChild,
+    exchange: std::path::PathBuf,
+}
+
+impl DrafterEngine {
+    /// Starts the child and loads the drafter of `config` there, with the weights and moments of
+    /// `resume` or the run's initial weights.
+    pub fn new(
+        settings: &DflashSettings,
+        config: &DrafterConfig,
+        resume: Option<&Snapshot>,
+        feature_ring: &Path,
+    ) -> Result<Self, String> {
+        let runtime = settings.torch.as_ref().ok_or(
+            "the torch engine was chosen, but the settings say no Python (a stale dflash.json?)",
+        )?;
+        let exchange = settings
+            .checkpoint_dir
+            .join(format!(".engine.tmp-{}", std::process::id()));
+        let fresh;
+        let (weights, moments, adam_t) = match resume {
+            Some(s) => (&s.weights, Some(&s.moments), s.state.adam_t),
+            None => {
+                fresh = config.initial_weights(settings.seed);
+                (&fresh, None, 0)
+            }
+        };
+        let zeros;
+        let moments = match moments {
+            Some(m) => m,
+            None => {
+                zeros = weights
+                    .iter()
+                    .map(|(n, s, v)| (n.clone(), s.clone(), vec![0.0; v.len()], vec![0.0; v.len()]))
+                    .collect::<Vec<_>>();
+                &zeros
+            }
+        };
+        let _ = std::fs::remove_dir_all(&exchange);
+        std::fs::create_dir_all(&exchange)
+            .and_then(|()| checkpoint::write_tensors(&exchange, weights, moments))
+            .map_err(|e| format!("{}: {e}", exchange.display()))?;
+        let mut engine = Self {
+            child: TorchChild::start(runtime)?,
+            exchange,
+        };
+        let shape = &config.shape;
+        let init = engine.child.request(&json!({
+            "op": "init",
+            "protocol": PROTOCOL,
+            "role": "drafter",
+            "model": settings.target_model,
+            "names": config.tensors().into_iter().map(|(n, ..)| n).collect::<Vec<_>>(),
+            "shape": {
+                "hidden": shape.hidden,
+                "intermediate": shape.intermediate,
+                "layers": shape.layers,
+                "heads": shape.heads,
+                "kv_heads": shape.kv_heads,
+                "head_dim": shape.head_dim,
+                "rms_eps": shape.rms_eps,
+                "rope_theta": shape.rope_theta,
+                "vocab": shape.vocab,
+            },
+            "block_size": config.block_size,
+            "mask_token_id": config.mask_token_id,
+            "states": config.target_layer_ids.len(),
+            "gamma": settings.gamma,
+            "distill": settings.distill(),
+            "anchor_chunk": settings.anchor_chunk,
+            "weight_decay": settings.weight_decay,
+            "dtype": settings.dtype.name(),
+            "feature_dtype": settings.feature_dtype.name(),
+            "ring": feature_ring,
+            "weights": engine.exchange,
+            "adam_t": adam_t,
+            "threads": threads(),
+        }));
+        let _ = std::fs::remove_dir_all(&engine.exchange);
+        let init = init?;
+        tracing::info!(
+            "torch drafter: {} attention on {} (torch {})",
+            init["attention"].as_str().unwrap_or("?"),
+            init["device"].as_str().unwrap_or("?"),
+            init["torch"].as_str().unwrap_or("?"),
+        );
+        Ok(engine)
+    }
+}
+
+impl Drop for DrafterEngine {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.exchange);
+    }
+}
+
+/// Threads for the child: the worker's own setting (`RAYON_NUM_THREADS`), else the child's
+/// default (0).
+fn threads() -> u64 {
+    std::env::var("RAYON_NUM_THREADS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or(0)
+}
+
+fn number(answer: &Value, name: &str) -> Result<f64, String> {
+    answer
+        .get(name)
+        .and_then(Value::as_f64)
+        .ok_or_else(|| format!("the torch engine's answer has no {name}: {answer}"))
+}
+
+fn counts(answer: &Value, name: &str) -> Result<Vec<u32>, String> {
+    answer
+        .get(name)
+        .and_then(Value::as_array)
+        .and_then(|a| {
+            a.iter()
+                .map(|v| v.as_u64().and_then(|v| u32::try_from(v).ok()))
+                .collect()
+        })
+        .ok_or_else(|| format!("the torch engine's answer has no {name}: {answer}"))
+}
+
+impl crate::dflash::DrafterCompute for DrafterEngine {
+    fn micro_batch(
+        &mut self,
+        features: SlotFeatures,
+        tokens: &[u32],
+        loss_mask: &[u8],
+        sequences: &[(Range<usize>, Vec<usize>)],
+        accum: usize,
+    ) -> Result<MicroBatchLoss, String> {
+        let sequences: Vec<Value> = sequences
+            .iter()
+            .map(|(range, anchors)| json!([range.start, range.len(), anchors]))
+            .collect();
+        let answer = self.child.request(&json!({
+            "op": "train",
+            "offset": features.file_offset,
+            "bytes": features.bytes.len(),
+            "tokens": tokens,
+            "loss_mask": loss_mask,
+            "width": features.width,
+            "sequences": sequences,
+            "accum": accum,
+        }))?;
+        let weight = number(&answer, "weight")?;
+        Ok(MicroBatchLoss {
+            loss: if weight > 0.0 {
+                number(&answer, "loss")?
+            } else {
+                0.0
+            },
+            weight,
+            anchors: number(&answer, "anchors")? as u32,
+            correct: counts(&answer, "correct")?,
+            counted: counts(&answer, "counted")?,
+        })
+    }
+
+    fn step(&mut self, lr: f64, clip: f64, skip: bool) -> Result<Stepped, String> {
+        let answer = self.child.request(&json!({
+            "op": "step", "lr": lr, "clip": clip, "skip": skip,
+        }))?;
+        if let Some(name) = answer.get("nonfinite").and_then(Value::as_str) {
+            return Ok(Stepped::NonFinite(name.to_owned()));
+        }
+        Ok(match answer.get("grad_norm").and_then(Value::as_f64) {
+            Some(grad_norm) => Stepped::Applied { grad_norm },
+            None => Stepped::Nothing,
+        })
+    }
+
+    fn snapshot(&mut self, state: TrainingState, config: Value) -> Result<Snapshot, String> {
+        let _ = std::fs::remove_dir_all(&self.exchange);
+        std::fs::create_dir_all(&self.exchange)
+            .map_err(|e| format!("{}: {e}", self.exchange.display()))?;
+        let answer = self.child.request(&json!({
+            "op": "snapshot", "dir": self.exchange,
+        }))?;
+        let adam_t = number(&answer, "adam_t")? as u64;
+        let read = checkpoint::read_tensors(&self.exchange);
+        let _ = std::fs::remove_dir_all(&self.exchange);
+        let (weights, moments) = read
+            .map_err(|e| format!("the torch engine's copy of the drafter cannot be read: {e}"))?;
+        Ok(Snapshot {
+            state: TrainingState { adam_t, ..state },
+            weights,
+            moments,
+            config,
+        })
     }
 }
 

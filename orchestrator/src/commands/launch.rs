@@ -241,7 +241,7 @@ pub struct DflashFlags {
     /// transformers in a Python child of each worker; the target may be any causal LM
     /// transformers loads), target=E,drafter=E for one engine per role, or auto (torch for the
     /// targets when the run is on GPUs and a usable PyTorch is found, candle otherwise; the
-    /// choice and why are said at start). The torch engine has no drafter yet. Kept by --resume.
+    /// choice and why are said at start). Kept by --resume.
     #[arg(long, value_name = "ENGINE", default_value = "auto", value_parser = options::engine_choice())]
     pub engine: options::EngineChoice,
 

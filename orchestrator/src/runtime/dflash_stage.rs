@@ -64,18 +64,12 @@ pub(super) fn check(
 }
 
 /// Checks the engines: the torch engine's pre-flight (Python, torch, transformers, our package,
-/// CUDA with the `gpus` named) when a role uses it. The torch engine has no drafter yet.
+/// CUDA with the `gpus` named) when a role uses it.
 pub(super) fn check_engines(settings: &mut DflashSettings, gpus: &[u32]) -> Result<(), RunError> {
     let mut checked = None;
     if settings.engine_auto {
         (settings.engines, checked) = auto_engines(settings, gpus);
         settings.engine_auto = false;
-    }
-    if settings.engines.drafter == Engine::Torch {
-        return Err(RunError::Invalid(
-            "--engine: the torch engine has no drafter yet; use --engine target=torch,drafter=candle"
-                .into(),
-        ));
     }
     if !settings.engines.uses(Engine::Torch) {
         settings.torch = None;
@@ -91,9 +85,8 @@ pub(super) fn check_engines(settings: &mut DflashSettings, gpus: &[u32]) -> Resu
     Ok(())
 }
 
-/// `--engine auto` on GPU workers: torch for the targets when the pre-flight passes with CUDA
-/// (the drafter stays on candle until the torch engine has one), candle otherwise; says which
-/// and why. Returns the pre-flight's report when it chose torch.
+/// `--engine auto` on GPU workers: torch when the pre-flight passes with CUDA, candle otherwise;
+/// says which and why. Returns the pre-flight's report when it chose torch.
 fn auto_engines(
     settings: &DflashSettings,
     gpus: &[u32],
@@ -105,15 +98,8 @@ fn auto_engines(
     let gpus = if gpus.is_empty() { &[0][..] } else { gpus };
     match super::torch_engine::check(&runtime, gpus) {
         Ok(report) => {
-            tracing::info!(
-                "--engine auto: torch for the targets ({}), candle for the drafter (the torch engine has no drafter yet)",
-                report.describe()
-            );
-            let engines = Engines {
-                target: Engine::Torch,
-                drafter: Engine::Candle,
-            };
-            (engines, Some(report))
+            tracing::info!("--engine auto: torch ({})", report.describe());
+            (Engines::both(Engine::Torch), Some(report))
         }
         Err(why) => {
             tracing::info!("--engine auto: candle ({why})");

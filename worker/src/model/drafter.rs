@@ -57,6 +57,50 @@ impl DrafterConfig {
     }
 }
 
+impl DrafterConfig {
+    /// `(name, shape, is_norm)` of every weight, in a fixed order (the checkpoint's names): `fc`
+    /// and `hidden_norm`, the layers, the final norm.
+    pub fn tensors(&self) -> Vec<(String, Vec<usize>, bool)> {
+        let h = self.shape.hidden;
+        let mut shapes: Vec<(String, Vec<usize>, bool)> = vec![
+            (
+                "fc.weight".into(),
+                vec![h, h * self.target_layer_ids.len()],
+                false,
+            ),
+            ("hidden_norm.weight".into(), vec![h], true),
+        ];
+        for i in 0..self.shape.layers {
+            shapes.extend(
+                self.shape
+                    .layer_tensors()
+                    .into_iter()
+                    .map(|(name, shape, norm)| (format!("layers.{i}.{name}"), shape, norm)),
+            );
+        }
+        shapes.push(("norm.weight".into(), vec![h], true));
+        shapes
+    }
+
+    /// The initial weights of a run with `seed`, whichever engine trains them: matrices
+    /// N(0, 0.02), norms 1, drawn in [`DrafterConfig::tensors`]' order.
+    pub fn initial_weights(&self, seed: u64) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+        let mut rng = SplitMix64(seed);
+        self.tensors()
+            .into_iter()
+            .map(|(name, shape, is_norm)| {
+                let n: usize = shape.iter().product();
+                let values: Vec<f32> = if is_norm {
+                    vec![1.0; n]
+                } else {
+                    (0..n).map(|_| (0.02 * rng.normal()) as f32).collect()
+                };
+                (name, shape, values)
+            })
+            .collect()
+    }
+}
+
 /// One sequence's loss before averaging.
 pub struct LossParts {
     /// Weighted sum of the cross-entropies (a scalar with gradients).
@@ -138,37 +182,13 @@ fn rope_tables(
 }
 
 impl Drafter {
-    /// Fresh weights: matrices N(0, 0.02), norms 1, from `seed`.
+    /// Fresh weights: matrices N(0, 0.02), norms 1, from `seed` (see
+    /// [`DrafterConfig::initial_weights`]).
     pub fn new(config: DrafterConfig, seed: u64, device: &Device) -> candle_core::Result<Self> {
-        let c = &config;
-        let h = c.shape.hidden;
-        let mut shapes: Vec<(String, Vec<usize>, bool)> = vec![
-            (
-                "fc.weight".into(),
-                vec![h, h * c.target_layer_ids.len()],
-                false,
-            ),
-            ("hidden_norm.weight".into(), vec![h], true),
-        ];
-        for i in 0..c.shape.layers {
-            shapes.extend(
-                c.shape
-                    .layer_tensors()
-                    .into_iter()
-                    .map(|(name, shape, norm)| (format!("layers.{i}.{name}"), shape, norm)),
-            );
-        }
-        shapes.push(("norm.weight".into(), vec![h], true));
-        let mut rng = SplitMix64(seed);
-        let params = shapes
+        let params = config
+            .initial_weights(seed)
             .into_iter()
-            .map(|(name, shape, is_norm)| {
-                let n: usize = shape.iter().product();
-                let values: Vec<f32> = if is_norm {
-                    vec![1.0; n]
-                } else {
-                    (0..n).map(|_| (0.02 * rng.normal()) as f32).collect()
-                };
+            .map(|(name, shape, values)| {
                 let var = Var::from_tensor(&Tensor::from_vec(values, shape, device)?)?;
                 Ok(Param { name, var })
             })
@@ -805,7 +825,7 @@ fn targets_and_weights(
 /// Per block position, its loss weight: position k of the block at `anchor` counts when k >= 1,
 /// `anchor + k` is inside the sequence and masked in, weighted `exp(-(k - 1) / gamma)` (1
 /// without gamma).
-fn block_weights(
+pub fn block_weights(
     loss_mask: &[u8],
     anchors: &[usize],
     block: usize,

@@ -1,0 +1,360 @@
+"""The DFlash drafter on PyTorch: the same model, loss and optimiser as the candle drafter
+(worker/src/model/drafter.rs and worker/src/train.rs), so that the two engines train the same
+weights from the same batches.
+
+What the worker decides and sends (one owner, in Rust): the drafter's shape and weight names, the
+initial weights (drawn from the run's seed) or a checkpoint's, every micro-batch's anchors, the
+learning rate of every step. This side computes: the context (`fc`, `hidden_norm`, the layers'
+keys and values of every token), the blocks of each anchor chunk against it, the loss, the
+gradients and AdamW.
+
+The block mask without per-anchor copies: the queries of a chunk's blocks (`anchors x block`
+positions) attend, in one SDPA call, to the keys of the sequence's context before the chunk's
+last anchor followed by the chunk's own block keys, under a boolean mask (context position < the
+block's anchor; block key in the same block). Scores exist for one chunk at a time (and not at all
+where SDPA's fused kernels take a mask), and so do the chunk's logits: memory is linear in the
+micro-batch's tokens with `--anchor-chunk`. Each chunk is back-propagated into a detached copy of
+the context, whose summed gradient goes through the context once at the end, as in candle. The
+target's embedding and `lm_head` are plain tensors: no gradient, no backward work for them.
+"""
+
+import json
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+
+from .target import device_for, dtype_of
+
+
+def rms_norm(x, weight, eps):
+    """RMSNorm in f32 whatever `x`'s dtype, returned in `x`'s dtype (`weight` an f32 master)."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return (x * weight).to(dtype)
+
+
+def rope_tables(positions, head_dim, theta):
+    """cos and sin `[..., head_dim]` for positions of any shape, as the candle drafter computes
+    them (inverse frequencies in f64, rounded to f32; angles in f32)."""
+    inv = torch.tensor(
+        [1.0 / theta ** (2.0 * i / head_dim) for i in range(head_dim // 2)], dtype=torch.float64
+    ).to(torch.float32).to(positions.device)
+    angles = positions.to(torch.float32).unsqueeze(-1) * inv
+    cos, sin = angles.cos(), angles.sin()
+    return torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def block_weights(loss_mask, anchors, block, gamma):
+    """Per block position, its loss weight: position k of the block at `anchor` counts when
+    k >= 1 and `anchor + k` is inside the sequence with its loss mask set, weighted
+    exp(-(k - 1) / gamma) (1 without gamma). Rounded to f32, as the candle drafter keeps them."""
+    decay = [1.0 if gamma is None else math.exp(-(k - 1.0) / gamma) for k in range(block)]
+    n = len(loss_mask)
+    out = []
+    for anchor in anchors:
+        for k in range(block):
+            t = anchor + k
+            out.append(decay[k] if k >= 1 and t < n and loss_mask[t] != 0 else 0.0)
+    return torch.tensor(out, dtype=torch.float32)
+
+
+def load_heads(model_dir, dtype, device):
+    """The target's embedding and output head, `[vocab, hidden]` each, read from its safetensors
+    files without building the model: `*embed_tokens.weight` (exactly one) and `lm_head.weight`,
+    or the embedding again when the config ties them."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            where = json.load(f)["weight_map"]
+    else:
+        single = os.path.join(model_dir, "model.safetensors")
+        if not os.path.isfile(single):
+            raise ValueError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+        with safe_open(single, "pt") as f:
+            where = {k: "model.safetensors" for k in f.keys()}
+    embeds = sorted(k for k in where if k.endswith("embed_tokens.weight"))
+    if len(embeds) != 1:
+        raise ValueError(f"{model_dir}: expected one *embed_tokens.weight among the weights, "
+                         f"found {embeds or 'none'}")
+    config = AutoConfig.from_pretrained(model_dir)
+    tied = bool(getattr(config, "tie_word_embeddings", False)) or bool(
+        getattr(config.get_text_config(), "tie_word_embeddings", False))
+    head = "lm_head.weight" if "lm_head.weight" in where else None
+    if head is None and not tied:
+        raise ValueError(f"{model_dir}: no lm_head.weight, and the config does not tie it to the "
+                         "embedding")
+
+    def read(name):
+        with safe_open(os.path.join(model_dir, where[name]), "pt") as f:
+            return f.get_tensor(name).to(device=device, dtype=dtype)
+
+    embedding = read(embeds[0])
+    lm_head = embedding if head is None or tied else read(head)
+    return embedding, lm_head
+
+
+class TorchDrafter:
+    """The drafter's weights (f32 masters), AdamW's moments, and the training step."""
+
+    def __init__(self, req):
+        device = device_for(os.environ.get("CUDA_VISIBLE_DEVICES"))
+        self.device = device
+        self.compute = dtype_of(req["dtype"])
+        self.feature_dtype = dtype_of(req["feature_dtype"])
+        shape = req["shape"]
+        self.hidden = int(shape["hidden"])
+        self.layers = int(shape["layers"])
+        self.heads = int(shape["heads"])
+        self.kv_heads = int(shape["kv_heads"])
+        self.head_dim = int(shape["head_dim"])
+        self.eps = float(shape["rms_eps"])
+        self.theta = float(shape["rope_theta"])
+        self.vocab = int(shape["vocab"])
+        self.block = int(req["block_size"])
+        self.mask_token = int(req["mask_token_id"])
+        self.states = int(req["states"])
+        self.gamma = req.get("gamma")
+        distill = req.get("distill")
+        self.distill = (float(distill[0]), float(distill[1])) if distill else None
+        self.chunk = req.get("anchor_chunk") or None
+        self.weight_decay = float(req["weight_decay"])
+        self.names = list(req["names"])
+        self.embedding, self.lm_head = load_heads(req["model"], self.compute, device)
+        if tuple(self.embedding.shape) != (self.vocab, self.hidden):
+            raise ValueError(f"the target's embedding is {tuple(self.embedding.shape)}, the "
+                             f"drafter expects {(self.vocab, self.hidden)}")
+        self.load(req["weights"], int(req.get("adam_t") or 0))
+        self.attention = "sdpa"
+
+    # -- state ----------------------------------------------------------------------------
+
+    def load(self, directory, adam_t):
+        """Weights from `directory/model.safetensors`, moments from `optimizer.safetensors`."""
+        from safetensors.torch import load_file
+
+        weights = load_file(os.path.join(directory, "model.safetensors"))
+        moments = load_file(os.path.join(directory, "optimizer.safetensors"))
+        missing = [n for n in self.names if n not in weights]
+        if missing:
+            raise ValueError(f"the drafter's weights lack {missing[:5]}")
+        self.P = {}
+        self.m, self.v = {}, {}
+        for n in self.names:
+            self.P[n] = torch.nn.Parameter(weights[n].to(self.device, torch.float32).contiguous())
+            self.m[n] = moments[f"m.{n}"].to(self.device, torch.float32).contiguous()
+            self.v[n] = moments[f"v.{n}"].to(self.device, torch.float32).contiguous()
+        self.t = adam_t
+
+    def save(self, directory):
+        """Writes the weights and the moments as a checkpoint's two tensor files."""
+        from safetensors.torch import save_file
+
+        meta = {"format": "pt"}
+        cpu = lambda t: t.detach().to("cpu", torch.float32).contiguous()  # noqa: E731
+        save_file({n: cpu(self.P[n]) for n in self.names},
+                  os.path.join(directory, "model.safetensors"), metadata=meta)
+        moments = {}
+        for n in self.names:
+            moments[f"m.{n}"] = cpu(self.m[n])
+            moments[f"v.{n}"] = cpu(self.v[n])
+        save_file(moments, os.path.join(directory, "optimizer.safetensors"), metadata=meta)
+        return self.t
+
+    # -- the model ------------------------------------------------------------------------
+
+    def w(self, name):
+        """A weight in the compute dtype (a bf16 copy, or the f32 master itself)."""
+        p = self.P[name]
+        return p if self.compute == torch.float32 else p.to(self.compute)
+
+    def context(self, features, positions):
+        """Per layer, keys (rotary applied) and values `[tokens, kv_heads, head_dim]` of the
+        context of every token (`positions`: each token's position in its sequence)."""
+        s, d = features.shape[0], self.head_dim
+        ctx = F.linear(features.to(self.compute), self.w("fc.weight"))
+        ctx = rms_norm(ctx, self.P["hidden_norm.weight"], self.eps)
+        cos, sin = rope_tables(positions, d, self.theta)
+        cos, sin = cos.to(self.compute).unsqueeze(1), sin.to(self.compute).unsqueeze(1)
+        out = []
+        for i in range(self.layers):
+            p = f"layers.{i}.self_attn."
+            k = F.linear(ctx, self.w(p + "k_proj.weight")).view(s, self.kv_heads, d)
+            k = rms_norm(k, self.P[p + "k_norm.weight"], self.eps)
+            k = k * cos + rotate_half(k) * sin
+            v = F.linear(ctx, self.w(p + "v_proj.weight")).view(s, self.kv_heads, d)
+            out.append((k, v))
+        return out
+
+    def block_states(self, context, anchor_tokens, anchors):
+        """The final hidden states `[a * b, hidden]` (normed) of one block per anchor against one
+        sequence's `context` (per layer `[seq, kv, d]` keys and values)."""
+        a, b, h, d = len(anchors), self.block, self.hidden, self.head_dim
+        dev = self.device
+        seen = max(1, min(context[0][0].shape[0], max(anchors)))
+        ids = torch.full((a, b), self.mask_token, dtype=torch.long)
+        ids[:, 0] = torch.tensor(anchor_tokens, dtype=torch.long)
+        x = self.embedding[ids.to(dev)].to(self.compute)  # [a, b, h]
+        anchors_t = torch.tensor(anchors, dtype=torch.long, device=dev)
+        pos = anchors_t.unsqueeze(1) + torch.arange(b, device=dev).unsqueeze(0)  # [a, b]
+        cos, sin = rope_tables(pos, d, self.theta)
+        cos, sin = cos.to(self.compute).unsqueeze(2), sin.to(self.compute).unsqueeze(2)
+        # The mask [a*b, seen + a*b]: the context before the block's anchor, and its own block.
+        q_anchor = anchors_t.repeat_interleave(b)
+        ctx_ok = torch.arange(seen, device=dev).unsqueeze(0) < q_anchor.unsqueeze(1)
+        q_block = torch.arange(a, device=dev).repeat_interleave(b)
+        blk_ok = q_block.unsqueeze(1) == q_block.unsqueeze(0)
+        mask = torch.cat([ctx_ok, blk_ok], dim=1)
+        for i, (kc, vc) in enumerate(context):
+            p = f"layers.{i}."
+            hn = rms_norm(x, self.P[p + "input_layernorm.weight"], self.eps)
+            q = F.linear(hn, self.w(p + "self_attn.q_proj.weight")).view(a, b, self.heads, d)
+            q = rms_norm(q, self.P[p + "self_attn.q_norm.weight"], self.eps)
+            q = q * cos + rotate_half(q) * sin
+            kb = F.linear(hn, self.w(p + "self_attn.k_proj.weight")).view(a, b, self.kv_heads, d)
+            kb = rms_norm(kb, self.P[p + "self_attn.k_norm.weight"], self.eps)
+            kb = kb * cos + rotate_half(kb) * sin
+            vb = F.linear(hn, self.w(p + "self_attn.v_proj.weight")).view(a, b, self.kv_heads, d)
+            # One query sequence of all the blocks; keys: the context seen, then the blocks.
+            q = q.reshape(a * b, self.heads, d).transpose(0, 1).unsqueeze(0)
+            keys = torch.cat([kc[:seen], kb.reshape(a * b, self.kv_heads, d)], dim=0)
+            values = torch.cat([vc[:seen], vb.reshape(a * b, self.kv_heads, d)], dim=0)
+            keys = keys.transpose(0, 1).unsqueeze(0)
+            values = values.transpose(0, 1).unsqueeze(0)
+            out = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
+            out = out.squeeze(0).transpose(0, 1).reshape(a, b, self.heads * d)
+            x = x + F.linear(out, self.w(p + "self_attn.o_proj.weight"))
+            n = rms_norm(x, self.P[p + "post_attention_layernorm.weight"], self.eps)
+            act = F.silu(F.linear(n, self.w(p + "mlp.gate_proj.weight"))) * F.linear(
+                n, self.w(p + "mlp.up_proj.weight"))
+            x = x + F.linear(act, self.w(p + "mlp.down_proj.weight"))
+        return rms_norm(x, self.P["norm.weight"], self.eps).reshape(a * b, h)
+
+    def chunk_loss(self, context, teacher, tokens, loss_mask, anchors):
+        """Weighted cross-entropy sum of one chunk's blocks, its weights' sum, and per block
+        position (correct, counted)."""
+        a, b, n = len(anchors), self.block, len(tokens)
+        x = self.block_states(context, [tokens[p] for p in anchors], anchors)
+        logits = F.linear(x, self.lm_head).float()
+        targets = torch.tensor(
+            [tokens[p + k] if p + k < n else 0 for p in anchors for k in range(b)],
+            dtype=torch.long, device=self.device)
+        weights = block_weights(loss_mask, anchors, b, self.gamma).to(self.device)
+        log_probs = F.log_softmax(logits, dim=-1)
+        per = -log_probs.gather(1, targets.unsqueeze(1)).squeeze(1)
+        if self.distill is not None and teacher is not None:
+            share, temperature = self.distill
+            last = teacher.shape[0] - 1
+            rows = torch.tensor([min(max(p + k - 1, 0), last) for p in anchors for k in range(b)],
+                                dtype=torch.long, device=self.device)
+            with torch.no_grad():
+                taught = F.linear(teacher[rows].to(self.compute), self.lm_head).float()
+                target_probs = torch.softmax(taught / temperature, dim=-1)
+            kd = -(target_probs * log_probs).sum(-1)
+            per = per * (1.0 - share) + kd * share
+        total = (per * weights).sum()
+        with torch.no_grad():
+            counted = (weights > 0).view(a, b)
+            hit = ((logits.argmax(-1) == targets).view(a, b) & counted)
+        return total, float(weights.sum()), hit.sum(0), counted.sum(0)
+
+    # -- the training step ----------------------------------------------------------------
+
+    def micro_batch(self, features, tokens, loss_mask, sequences, accum):
+        """Forward and backward of one micro-batch (`sequences`: (start, length, anchors)); the
+        gradients, scaled by 1 / (weight * accum), are added to the parameters' `.grad`."""
+        weight = 0.0
+        for start, length, anchors in sequences:
+            w = block_weights(loss_mask[start:start + length], anchors, self.block, self.gamma)
+            weight += float(w.sum())
+        out = {"loss": 0.0, "weight": weight, "anchors": 0,
+               "correct": [0] * self.block, "counted": [0] * self.block}
+        if weight <= 0:
+            return out
+        out["anchors"] = sum(len(anchors) for _, _, anchors in sequences)
+        scale = 1.0 / (weight * max(accum, 1))
+        width = self.states * self.hidden
+        features = features.to(self.device)
+        ctx_features = features[:, :width]
+        teacher = features[:, width:width + self.hidden] if self.distill else None
+        positions = torch.zeros(features.shape[0], dtype=torch.long)
+        for start, length, _ in sequences:
+            positions[start:start + length] = torch.arange(length)
+        context = self.context(ctx_features, positions.to(self.device))
+        leaves = [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in context]
+        loss_sum = 0.0
+        correct = torch.zeros(self.block, dtype=torch.long, device=self.device)
+        counted = torch.zeros(self.block, dtype=torch.long, device=self.device)
+        for start, length, anchors in sequences:
+            seq_ctx = [(k[start:start + length], v[start:start + length]) for k, v in leaves]
+            seq_teacher = teacher[start:start + length] if teacher is not None else None
+            seq_tokens = tokens[start:start + length]
+            seq_mask = loss_mask[start:start + length]
+            step = self.chunk or len(anchors)
+            for c in range(0, len(anchors), step):
+                total, _, hit, cnt = self.chunk_loss(
+                    seq_ctx, seq_teacher, seq_tokens, seq_mask, anchors[c:c + step])
+                (total * scale).backward()
+                loss_sum += float(total.detach())
+                correct += hit
+                counted += cnt
+        # Through the context once: the chunks' summed gradients of its keys and values.
+        tensors, grads = [], []
+        for (k, v), (lk, lv) in zip(context, leaves):
+            for t, leaf in ((k, lk), (v, lv)):
+                if leaf.grad is not None:
+                    tensors.append(t)
+                    grads.append(leaf.grad)
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+        out["loss"] = loss_sum / weight
+        out["correct"] = correct.tolist()
+        out["counted"] = counted.tolist()
+        return out
+
+    @torch.no_grad()
+    def step(self, lr, clip, skip):
+        """Ends a group: drops the gradients with `skip`; else clips them to the norm `clip`
+        and, when that norm is finite, steps AdamW (the candle drafter's formula)."""
+        grads = [(n, self.P[n].grad) for n in self.names]
+        if skip or all(g is None for _, g in grads):
+            self.zero_grad()
+            return {"grad_norm": None}
+        norm = math.sqrt(sum(float(g.pow(2).sum()) for _, g in grads if g is not None))
+        if not math.isfinite(norm):
+            bad = next((n for n, g in grads if g is not None and not bool(torch.isfinite(g).all())),
+                       "an unknown parameter")
+            self.zero_grad()
+            return {"nonfinite": bad}
+        if norm > clip and norm > 0:
+            for _, g in grads:
+                if g is not None:
+                    g.mul_(clip / norm)
+        self.t += 1
+        b1, b2, eps = 0.9, 0.999, 1e-8
+        bias1, bias2 = 1.0 - b1 ** self.t, 1.0 - b2 ** self.t
+        for n, g in grads:
+            if g is None:
+                continue
+            m, v, p = self.m[n], self.v[n], self.P[n]
+            m.mul_(b1).add_(g * (1.0 - b1))
+            v.mul_(b2).add_(g.pow(2) * (1.0 - b2))
+            update = (m / bias1) / ((v / bias2).sqrt() + eps)
+            p.mul_(1.0 - lr * self.weight_decay).sub_(update * lr)
+        self.zero_grad()
+        return {"grad_norm": norm}
+
+    def zero_grad(self):
+        for p in self.P.values():
+            p.grad = None
