@@ -117,19 +117,6 @@ def target_features(model, indices, lengths, tokens):
 # drafter worker runs).
 
 
-def param_names(layers):
-    names = ["fc.weight", "hidden_norm.weight"]
-    for i in range(layers):
-        p = f"layers.{i}"
-        names += [f"{p}.{n}" for n in (
-            "input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
-            "self_attn.v_proj.weight", "self_attn.o_proj.weight", "self_attn.q_norm.weight",
-            "self_attn.k_norm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
-            "mlp.up_proj.weight", "mlp.down_proj.weight")]
-    names.append("norm.weight")
-    return names
-
-
 def schedule_lr(peak, warmup, total, step):
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -145,7 +132,7 @@ def train_steps(args, rust, init_path, features, cfg):
     from safetensors.torch import load_file, save_file
 
     engine_package()
-    from dflash_orch.drafter import TorchDrafter
+    from dflash_orch.drafter import TorchDrafter, param_names
 
     init = load_file(init_path)
     names = param_names(cfg["layers"])

@@ -518,21 +518,46 @@ impl ModelDirError {
     }
 }
 
-/// Reads and checks `config.json` of a Qwen3 model directory.
+/// Reads and checks `config.json` of a Qwen3 model directory (what the candle engine runs).
 pub fn read_config(dir: &Path) -> Result<Qwen3Config, ModelDirError> {
+    read_config_for(dir, Engine::Candle)
+}
+
+/// Reads and checks `config.json` of a target for `engine`: a Qwen3 with plain RoPE for candle;
+/// for torch any causal LM with the usual fields (`transformers` itself judges whether it loads
+/// the architecture), its text config for a multimodal one, RoPE's base whatever its scaling
+/// (the drafter computes plain RoPE of that base, as its own positions).
+pub fn read_config_for(dir: &Path, engine: Engine) -> Result<Qwen3Config, ModelDirError> {
     let path = dir.join("config.json");
     let text =
         std::fs::read(&path).map_err(|e| ModelDirError::new(&path, format!("cannot read: {e}")))?;
-    let mut config: Qwen3Config = serde_json::from_slice(&text)
-        .map_err(|e| ModelDirError::new(&path, format!("not a Qwen3 config: {e}")))?;
-    let raw: serde_json::Value = serde_json::from_slice(&text)
-        .map_err(|e| ModelDirError::new(&path, format!("not a Qwen3 config: {e}")))?;
-    config.rope_theta = rope_theta(&raw).map_err(|e| ModelDirError::new(&path, e))?;
-    if !config.architectures.iter().any(|a| a == "Qwen3ForCausalLM") {
+    let mut raw: serde_json::Value = serde_json::from_slice(&text)
+        .map_err(|e| ModelDirError::new(&path, format!("not a model config: {e}")))?;
+    let any = engine == Engine::Torch;
+    if any
+        && let Some(text) = raw.get("text_config").filter(|t| t.is_object()).cloned()
+        && raw.get("hidden_size").is_none()
+    {
+        let architectures = raw.get("architectures").cloned();
+        raw = text;
+        if let Some(a) = architectures {
+            raw["architectures"] = a;
+        }
+    }
+    let what = if any { "a causal LM" } else { "a Qwen3" };
+    let mut config: Qwen3Config = serde_json::from_value(raw.clone())
+        .map_err(|e| ModelDirError::new(&path, format!("not {what} config: {e}")))?;
+    config.rope_theta = if any {
+        base_rope_theta(&raw)
+    } else {
+        rope_theta(&raw)
+    }
+    .map_err(|e| ModelDirError::new(&path, e))?;
+    if !any && !config.architectures.iter().any(|a| a == "Qwen3ForCausalLM") {
         return Err(ModelDirError::new(
             &path,
             format!(
-                "unsupported architecture {:?} (this build runs Qwen3ForCausalLM)",
+                "unsupported architecture {:?} (the candle engine runs Qwen3ForCausalLM; the torch engine runs what transformers loads: --engine torch)",
                 config.architectures
             ),
         ));
@@ -596,6 +621,24 @@ pub fn rope_theta(raw: &serde_json::Value) -> Result<f64, String> {
     let theta = raw
         .get("rope_theta")
         .or_else(|| raw.get("rope_parameters").and_then(|p| p.get("rope_theta")));
+    match theta {
+        None | Some(serde_json::Value::Null) => Ok(default_rope_theta()),
+        Some(v) => v
+            .as_f64()
+            .filter(|t| t.is_finite() && *t > 0.0)
+            .ok_or_else(|| format!("rope_theta {v} is not a positive number")),
+    }
+}
+
+/// RoPE's base of a config whatever its scaling: the top-level `rope_theta`, else
+/// `rope_parameters.rope_theta`, else that of `rope_parameters.full_attention` (per-layer-type
+/// parameters, as Gemma 3 has them), else 10,000.
+pub fn base_rope_theta(raw: &serde_json::Value) -> Result<f64, String> {
+    let params = raw.get("rope_parameters");
+    let theta = raw
+        .get("rope_theta")
+        .or_else(|| params.and_then(|p| p.get("rope_theta")))
+        .or_else(|| params.and_then(|p| p.get("full_attention")?.get("rope_theta")));
     match theta {
         None | Some(serde_json::Value::Null) => Ok(default_rope_theta()),
         Some(v) => v

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::dflash::{ModelDirError, Precision, Qwen3Config, Qwen3Shape};
+use crate::dflash::{ModelDirError, Precision, Qwen3Config, Qwen3Shape, TorchRuntime};
 
 /// Version of [`EvalRequest`] and [`PromptResult`]; a worker refuses another.
 pub const EVAL_VERSION: u32 = 1;
@@ -257,6 +257,9 @@ pub struct EvalRequest {
     /// run of that seed starts, instead of the checkpoint's weights.
     #[serde(default)]
     pub init_seed: Option<u64>,
+    /// Decode on the torch engine with this Python (`python -m dflash_orch.decode`); none: candle.
+    #[serde(default)]
+    pub torch: Option<TorchRuntime>,
 }
 
 /// One prompt's outcome, as the worker prints it (one JSON line).
@@ -290,6 +293,10 @@ pub struct GenerateRequest {
     pub temperature: f64,
     /// Sampling seed: row r draws from a stream of (seed, r), whatever batch it lands in.
     pub seed: u64,
+    /// Generate on the torch engine with this Python (`python -m dflash_orch.decode`); none:
+    /// candle.
+    #[serde(default)]
+    pub torch: Option<TorchRuntime>,
 }
 
 /// One batch of prompts (a stdin line of a generating worker).

@@ -66,6 +66,19 @@ def block_weights(loss_mask, anchors, block, gamma):
     return torch.tensor(out, dtype=torch.float32)
 
 
+def param_names(layers):
+    """The drafter's weight names in the candle drafter's order (`DrafterConfig::tensors`)."""
+    names = ["fc.weight", "hidden_norm.weight"]
+    for i in range(layers):
+        names += [f"layers.{i}.{n}" for n in (
+            "input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+            "self_attn.v_proj.weight", "self_attn.o_proj.weight", "self_attn.q_norm.weight",
+            "self_attn.k_norm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
+            "mlp.up_proj.weight", "mlp.down_proj.weight")]
+    names.append("norm.weight")
+    return names
+
+
 def load_heads(model_dir, dtype, device):
     """The target's embedding and output head, `[vocab, hidden]` each, read from its safetensors
     files without building the model: `*embed_tokens.weight` (exactly one) and `lm_head.weight`,
@@ -114,6 +127,7 @@ class TorchDrafter:
         self.feature_dtype = dtype_of(req["feature_dtype"])
         shape = req["shape"]
         self.hidden = int(shape["hidden"])
+        self.intermediate = int(shape["intermediate"])
         self.layers = int(shape["layers"])
         self.heads = int(shape["heads"])
         self.kv_heads = int(shape["kv_heads"])
@@ -129,13 +143,86 @@ class TorchDrafter:
         self.distill = (float(distill[0]), float(distill[1])) if distill else None
         self.chunk = req.get("anchor_chunk") or None
         self.weight_decay = float(req["weight_decay"])
-        self.names = list(req["names"])
+        self.names = list(req.get("names") or param_names(self.layers))
         self.embedding, self.lm_head = load_heads(req["model"], self.compute, device)
         if tuple(self.embedding.shape) != (self.vocab, self.hidden):
             raise ValueError(f"the target's embedding is {tuple(self.embedding.shape)}, the "
                              f"drafter expects {(self.vocab, self.hidden)}")
-        self.load(req["weights"], int(req.get("adam_t") or 0))
+        if req.get("weights"):
+            self.load(req["weights"], int(req.get("adam_t") or 0))
         self.attention = "sdpa"
+
+    @classmethod
+    def from_checkpoint(cls, directory, model_dir, dtype):
+        """A drafter checkpoint (`config.json` in the DFlash draft layout, `model.safetensors`)
+        for decoding: every weight present with its shape, none unknown, all finite."""
+        from safetensors.torch import load_file
+
+        with open(os.path.join(directory, "config.json")) as f:
+            c = json.load(f)
+        fields = c.get("dflash_config") or {}
+        heads = int(c["num_attention_heads"])
+        drafter = cls({
+            "dtype": dtype, "feature_dtype": dtype, "model": model_dir,
+            "shape": {"hidden": c["hidden_size"], "intermediate": c["intermediate_size"],
+                      "layers": c["num_hidden_layers"], "heads": heads,
+                      "kv_heads": c["num_key_value_heads"],
+                      "head_dim": c.get("head_dim") or c["hidden_size"] // heads,
+                      "rms_eps": c["rms_norm_eps"], "rope_theta": c.get("rope_theta", 10000.0),
+                      "vocab": c["vocab_size"]},
+            "block_size": fields.get("block_size", c.get("block_size", 16)),
+            "mask_token_id": fields.get("mask_token_id", c.get("mask_token_id")),
+            "states": len(fields.get("target_layer_ids", c.get("target_layer_ids")) or []),
+            "weight_decay": 0.0,
+        })
+        drafter.target_layer_ids = list(fields.get("target_layer_ids", c.get("target_layer_ids")))
+        path = os.path.join(directory, "model.safetensors")
+        weights = load_file(path)
+        unknown = sorted(set(weights) - set(drafter.names))
+        missing = [n for n in drafter.names if n not in weights]
+        if missing or unknown:
+            raise ValueError(f"{path}: lacks {missing[:3]}, has unknown {unknown[:3]}")
+        try:
+            drafter.check_shapes(weights)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+        drafter.P = {}
+        for n in drafter.names:
+            t = weights[n].to(drafter.device, torch.float32)
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"{path}: tensor {n} holds non-finite values")
+            drafter.P[n] = t.requires_grad_(False)
+        return drafter
+
+    def check_shapes(self, tensors):
+        """Raises when a weight of `tensors` does not have the shape this drafter's config gives."""
+        expected = self.shapes()
+        for n, t in tensors.items():
+            if tuple(t.shape) != expected[n]:
+                raise ValueError(f"{n} has shape {tuple(t.shape)}, the config makes it {expected[n]}")
+
+    def shapes(self):
+        h, hd, i = self.hidden, self.head_dim, int(self.intermediate)
+        q, kv = self.heads * hd, self.kv_heads * hd
+        layer = {"input_layernorm.weight": (h,), "self_attn.q_proj.weight": (q, h),
+                 "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
+                 "self_attn.o_proj.weight": (h, q), "self_attn.q_norm.weight": (hd,),
+                 "self_attn.k_norm.weight": (hd,), "post_attention_layernorm.weight": (h,),
+                 "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h),
+                 "mlp.down_proj.weight": (h, i)}
+        out = {"fc.weight": (h, h * self.states), "hidden_norm.weight": (h,), "norm.weight": (h,)}
+        for li in range(self.layers):
+            out.update({f"layers.{li}.{k}": v for k, v in layer.items()})
+        return out
+
+    def draft(self, context, token, position, b):
+        """The `b - 1` tokens after `token` at `position` (greedy), the block seeing `context`
+        (per layer keys and values of positions `0..position`)."""
+        if b < 2:
+            return []
+        x = self.block_states(context, [token], [position], b)
+        logits = F.linear(x[1:b], self.lm_head).float()
+        return logits.argmax(-1).tolist()
 
     # -- state ----------------------------------------------------------------------------
 
@@ -196,10 +283,12 @@ class TorchDrafter:
             out.append((k, v))
         return out
 
-    def block_states(self, context, anchor_tokens, anchors):
+    def block_states(self, context, anchor_tokens, anchors, b=None):
         """The final hidden states `[a * b, hidden]` (normed) of one block per anchor against one
-        sequence's `context` (per layer `[seq, kv, d]` keys and values)."""
-        a, b, h, d = len(anchors), self.block, self.hidden, self.head_dim
+        sequence's `context` (per layer `[seq, kv, d]` keys and values); blocks of `b` (the
+        drafter's block size unless given)."""
+        b = b or self.block
+        a, h, d = len(anchors), self.hidden, self.head_dim
         dev = self.device
         seen = max(1, min(context[0][0].shape[0], max(anchors)))
         ids = torch.full((a, b), self.mask_token, dtype=torch.long)

@@ -567,7 +567,8 @@ impl DrafterStage {
     /// The drafter of the run's settings on the engine they name, from the run's latest
     /// checkpoint when there is one; `feature_ring` is the ring the torch engine's child maps.
     pub fn new(settings: &DflashSettings, feature_ring: &Path) -> Result<Self, String> {
-        let target = qwen3::read_config(&settings.target_model).map_err(err)?;
+        let target = dflash_common::dflash::read_config_for(&settings.target_model, Engine::Torch)
+            .map_err(err)?;
         settings.check(&target)?;
         let config = DrafterConfig::for_target(
             &target,

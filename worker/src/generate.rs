@@ -135,6 +135,9 @@ pub fn generate_batch(
 pub fn run_generate(request: &Path) -> Result<(), String> {
     let req: GenerateRequest =
         crate::speculative::read_request(request, |r: &GenerateRequest| r.version)?;
+    if let Some(runtime) = &req.torch {
+        return crate::torch::decode("generate", &req, runtime);
+    }
     let (_, model, _, lm_head) = crate::speculative::load_target(&req.target_model, req.dtype)?;
     let sampling = Sampling {
         temperature: req.temperature,

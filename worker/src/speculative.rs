@@ -363,6 +363,32 @@ pub fn run_eval(request: &Path) -> Result<(), String> {
     use dflash_common::eval::{EvalRequest, PromptResult};
     use std::io::Write;
     let req: EvalRequest = read_request(request, |r: &EvalRequest| r.version)?;
+    if let Some(runtime) = &req.torch {
+        // The untrained drafter: the weights a run of that seed starts from, drawn here.
+        let init = match req.init_seed {
+            None => None,
+            Some(seed) => {
+                let c = DraftConfig::read(&req.drafter).map_err(err)?;
+                let config = DrafterConfig {
+                    shape: c.shape,
+                    block_size: c.block_size,
+                    mask_token_id: c.mask_token_id,
+                    target_layer_ids: c.target_layer_ids,
+                };
+                Some(crate::torch::InitialDrafter::write(
+                    &req.drafter,
+                    &config,
+                    seed,
+                )?)
+            }
+        };
+        let req = EvalRequest {
+            drafter: init.as_ref().map_or(req.drafter.clone(), |d| d.0.clone()),
+            init_seed: None,
+            ..req.clone()
+        };
+        return crate::torch::decode("eval", &req, runtime);
+    }
     let target_config = crate::model::qwen3::read_config(&req.target_model).map_err(err)?;
     DraftConfig::read(&req.drafter)
         .map_err(err)?

@@ -447,6 +447,95 @@ impl crate::dflash::DrafterCompute for DrafterEngine {
     }
 }
 
+/// `dflash-worker --eval` and `--generate` on the torch engine: `python -m dflash_orch.decode
+/// MODE` decodes, given `request` as its first stdin line and then every further line of this
+/// process's stdin (a generate's jobs); its answers go straight to this process's stdout. Fails
+/// with the child's last words when it fails.
+pub fn decode(
+    mode: &str,
+    request: &impl serde::Serialize,
+    runtime: &TorchRuntime,
+) -> Result<(), String> {
+    let mut line = serde_json::to_string(request).map_err(|e| e.to_string())?;
+    line.push('\n');
+    let mut command = Command::new(&runtime.python);
+    command
+        .args(["-m", "dflash_orch.decode", mode])
+        .env("PYTHONUNBUFFERED", "1")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::inherit())
+        .stderr(Stdio::inherit());
+    if let Some(path) = runtime.python_path(std::env::var_os("PYTHONPATH")) {
+        command.env("PYTHONPATH", path);
+    }
+    // SAFETY: only async-signal-safe calls between fork and exec (prctl).
+    unsafe {
+        command.pre_exec(|| {
+            nix::libc::prctl(nix::libc::PR_SET_PDEATHSIG, nix::libc::SIGKILL);
+            Ok(())
+        });
+    }
+    let mut child = command.spawn().map_err(|e| {
+        format!(
+            "cannot start the torch engine's Python {}: {e}",
+            runtime.python.display()
+        )
+    })?;
+    let mut stdin = child.stdin.take().ok_or("the child has no stdin")?;
+    stdin
+        .write_all(line.as_bytes())
+        .map_err(|e| format!("cannot hand the request to the torch engine: {e}"))?;
+    // The rest of our stdin (a generate's jobs) follows, line by line, until it ends.
+    std::thread::spawn(move || {
+        for line in std::io::stdin().lock().lines() {
+            let Ok(mut line) = line else { break };
+            line.push('\n');
+            if stdin
+                .write_all(line.as_bytes())
+                .and_then(|()| stdin.flush())
+                .is_err()
+            {
+                break;
+            }
+        }
+    });
+    let status = child
+        .wait()
+        .map_err(|e| format!("lost the torch engine's child: {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "the torch engine's decoder failed ({status}); its log is above"
+        ))
+    }
+}
+
+/// A drafter checkpoint directory of the untrained weights a run of `seed` starts from, for
+/// `eval --init-seed` on the torch engine: `config.json` of `drafter` and those weights, in a
+/// directory of this process's own under the system's temporary directory (removed on drop).
+pub struct InitialDrafter(pub std::path::PathBuf);
+
+impl InitialDrafter {
+    pub fn write(drafter: &Path, config: &DrafterConfig, seed: u64) -> Result<Self, String> {
+        let dir = std::env::temp_dir().join(format!("dflash-init-drafter-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let made = Self(dir.clone());
+        let weights = config.initial_weights(seed);
+        std::fs::create_dir(&dir)
+            .and_then(|()| std::fs::copy(drafter.join("config.json"), dir.join("config.json")))
+            .and_then(|_| checkpoint::write_tensors(&dir, &weights, &[]))
+            .map_err(|e| format!("{}: {e}", dir.display()))?;
+        Ok(made)
+    }
+}
+
+impl Drop for InitialDrafter {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

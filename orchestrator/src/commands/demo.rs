@@ -57,6 +57,22 @@ pub struct DemoArgs {
     /// Print the final figures as one JSON object on stdout.
     #[arg(long)]
     pub json: bool,
+
+    /// The target: a Hugging Face directory with config.json, safetensors and a tokenizer.json
+    /// whose vocabulary renders the demo's conversations with the chatml template [default: a
+    /// tiny random Qwen3 that `init-tiny` writes into DIR/target]. Any causal LM that
+    /// transformers loads with --engine torch; a Qwen3 with candle.
+    #[arg(long, value_name = "DIR")]
+    pub target_model: Option<PathBuf>,
+
+    /// The engine of every step (generate, launch, eval): candle (embedded, no Python) or torch
+    /// (see `launch --help`; needs --python or $DFLASH_PYTHON with torch and transformers).
+    #[arg(long, value_name = "candle|torch", default_value = "candle")]
+    pub engine: dflash_common::dflash::Engine,
+
+    /// The Python of the torch engine [default: $DFLASH_PYTHON, else python3 on PATH].
+    #[arg(long, value_name = "PATH")]
+    pub python: Option<PathBuf>,
 }
 
 /// The file the demo writes into the run dir it uses. `--force` removes only a directory holding
@@ -154,6 +170,29 @@ pub fn check_args(args: &DemoArgs) -> Result<(), CliError> {
         ));
     }
     // Every step gets its paths as UTF-8 arguments; a path that is not would reach them mangled.
+    for path in [
+        Some(&args.run_dir),
+        args.target_model.as_ref(),
+        args.python.as_ref(),
+    ]
+    .into_iter()
+    .flatten()
+    {
+        if path.to_str().is_none() {
+            return Err(CliError::Invalid(format!(
+                "{} is not valid UTF-8; choose another path",
+                path.display()
+            )));
+        }
+    }
+    if let Some(dir) = &args.target_model
+        && !dir.join("config.json").is_file()
+    {
+        return Err(CliError::Invalid(format!(
+            "--target-model {}: no config.json",
+            dir.display()
+        )));
+    }
     if args.run_dir.to_str().is_none() {
         return Err(CliError::Invalid(format!(
             "--run-dir {} is not valid UTF-8; choose another --run-dir",
@@ -378,17 +417,35 @@ pub fn run(args: DemoArgs) -> Result<(), CliError> {
         "dflash-orch demo: a DFlash drafter trained end to end on this machine's CPUs (no GPU, no downloads), in {}",
         dir.display()
     );
-    step(
-        "[1/7]",
-        &[
-            "init-tiny".into(),
-            "--output".into(),
-            path_arg(&target),
-            "--seed".into(),
-            args.seed.to_string(),
-        ],
-        true,
-    )?;
+    let target = match &args.target_model {
+        Some(given) => {
+            eprintln!("[1/7]      the target: {}", given.display());
+            given.clone()
+        }
+        None => {
+            step(
+                "[1/7]",
+                &[
+                    "init-tiny".into(),
+                    "--output".into(),
+                    path_arg(&target),
+                    "--seed".into(),
+                    args.seed.to_string(),
+                ],
+                true,
+            )?;
+            target
+        }
+    };
+    // The engine's options, for every step that computes.
+    let engine: Vec<String> = ["--engine".to_owned(), args.engine.name().to_owned()]
+        .into_iter()
+        .chain(
+            args.python
+                .iter()
+                .flat_map(|p| ["--python".to_owned(), path_arg(p)]),
+        )
+        .collect();
 
     let mut rng = PlanRng::stream(args.seed, 1, Purpose::Synthetic);
     let conversations: Vec<Vec<u8>> = (0..args.samples)
@@ -430,7 +487,10 @@ pub fn run(args: DemoArgs) -> Result<(), CliError> {
             "cpu:2".into(),
             "--batch-size".into(),
             "32".into(),
-        ],
+        ]
+        .into_iter()
+        .chain(engine.iter().cloned())
+        .collect::<Vec<String>>(),
         true,
     )?;
     step(
@@ -504,6 +564,7 @@ pub fn run(args: DemoArgs) -> Result<(), CliError> {
             .into_iter()
             .flat_map(|t| ["--kd-temperature".to_owned(), t.to_string()]),
     )
+    .chain(engine.iter().cloned())
     .collect();
     step("[5/7]", &launch, false)?;
     let checkpoint = std::fs::read_to_string(run_dir.join("checkpoints").join("latest"))
@@ -528,6 +589,7 @@ pub fn run(args: DemoArgs) -> Result<(), CliError> {
         if let Some(seed) = init {
             eval.extend(["--init-seed".into(), seed.to_string()]);
         }
+        eval.extend(engine.iter().cloned());
         let out = step_output(label, &eval)?;
         serde_json::from_slice(&out)
             .map_err(|e| CliError::Failed(format!("eval printed no summary: {e}")))

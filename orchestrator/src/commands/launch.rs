@@ -282,8 +282,10 @@ impl DflashFlags {
             .target_model
             .clone()
             .ok_or_else(|| CliError::Invalid("--stage dflash needs --target-model DIR".into()))?;
-        let target = dflash_common::dflash::read_config(&dir)
-            .map_err(|e| CliError::Invalid(format!("--target-model {e}")))?;
+        // Defaults only: the target is checked for its engine once the engine is known.
+        let target =
+            dflash_common::dflash::read_config_for(&dir, dflash_common::dflash::Engine::Torch)
+                .map_err(|e| CliError::Invalid(format!("--target-model {e}")))?;
         Ok(DflashSettings {
             target_model: dir.canonicalize().unwrap_or(dir),
             target_layer_ids: self.target_layer_ids.clone().unwrap_or_else(|| {

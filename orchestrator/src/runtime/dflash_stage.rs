@@ -22,13 +22,19 @@ pub(super) fn check(
 ) -> Result<Qwen3Config, RunError> {
     let invalid = |e: String| RunError::Invalid(e);
     let dir = &settings.target_model;
-    let target = dflash::read_config(dir).map_err(|e| invalid(format!("--target-model {e}")))?;
-    crate::model_dir::check_weights(
-        dir,
-        &target,
-        settings.target_layers_needed(target.num_hidden_layers),
-    )
-    .map_err(|e| invalid(format!("--target-model {e}")))?;
+    let target = dflash::read_config_for(dir, settings.engines.target)
+        .map_err(|e| invalid(format!("--target-model {e}")))?;
+    if settings.engines.target == Engine::Candle {
+        crate::model_dir::check_weights(
+            dir,
+            &target,
+            settings.target_layers_needed(target.num_hidden_layers),
+        )
+        .map_err(|e| invalid(format!("--target-model {e}")))?;
+    } else {
+        // transformers judges the architecture's tensors; the drafter needs the two heads.
+        dflash::weight_files(dir).map_err(|e| invalid(format!("--target-model {e}")))?;
+    }
     settings.check(&target).map_err(invalid)?;
     let vocab = target.vocab_size as u64;
     match tokens {

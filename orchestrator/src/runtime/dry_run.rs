@@ -197,7 +197,7 @@ pub fn dry_run(config: &RunConfig, gpu_memory: Option<u64>) -> Result<DryRun, Ru
     let mut target = None;
     if let Some(settings) = &config.dflash {
         let dir = &settings.target_model;
-        let checked = dflash_common::dflash::read_config(dir)
+        let checked = dflash_common::dflash::read_config_for(dir, settings.engines.target)
             .map_err(|e| RunError::Invalid(format!("--target-model {e}")))?;
         match dflash_common::dflash::weight_files(dir) {
             Ok(_) => crate::model_dir::check_weights(

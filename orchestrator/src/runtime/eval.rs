@@ -103,6 +103,9 @@ pub struct Evaluator {
     stop_token_ids: Vec<u32>,
     dtype: Precision,
     gpu: Option<u32>,
+    /// The torch engine's Python when the run's drafter is on torch (its evaluations decode
+    /// there too); none: candle.
+    torch: Option<dflash_common::dflash::TorchRuntime>,
     in_flight: Option<InFlight>,
     /// `--job-timeout` (seconds per prompt); `None`: auto, the larger of 120 s and ten times the
     /// slowest prompt of the evaluations so far.
@@ -135,6 +138,10 @@ impl Evaluator {
             stop_token_ids: crate::commands::eval::eos_tokens(&settings.target_model)?,
             dtype: settings.dtype,
             gpu,
+            torch: settings
+                .torch
+                .clone()
+                .filter(|_| settings.engines.uses(dflash_common::dflash::Engine::Torch)),
             in_flight: None,
             job_timeout_s,
             slowest_prompt_s: 0.0,
@@ -167,6 +174,7 @@ impl Evaluator {
             dtype: self.dtype,
             baseline: false,
             init_seed: None,
+            torch: self.torch.clone(),
         };
         let source = checkpoints.join(format!("step-{step}"));
         let gpu = self.gpu;

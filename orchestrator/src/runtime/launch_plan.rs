@@ -502,8 +502,9 @@ fn eval_prompts(
     lengths: &mut [u32],
     seed: u64,
 ) -> Result<Vec<Vec<u32>>, RunError> {
-    let target = dflash_common::dflash::read_config(&settings.target_model)
-        .map_err(|e| RunError::Invalid(format!("--target-model {e}")))?;
+    let target =
+        dflash_common::dflash::read_config_for(&settings.target_model, settings.engines.target)
+            .map_err(|e| RunError::Invalid(format!("--target-model {e}")))?;
     let max_new = eval.max_new_tokens as usize;
     let named: Vec<(String, Vec<u32>)> = match (&eval.prompts, tokens) {
         (Some(file), _) => crate::commands::eval::read_prompts(

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use dflash_common::dflash::TorchRuntime;
+use dflash_common::dflash::{Engine, TorchRuntime};
 use serde::Deserialize;
 
 use crate::format::clip;
@@ -48,6 +48,33 @@ pub fn runtime(given: Option<&Path>) -> TorchRuntime {
     TorchRuntime {
         python: python(given),
         package_dir: package_dir(),
+    }
+}
+
+/// `--engine` and `--python` of the commands that decode (`eval`, `generate`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct DecodeEngine {
+    /// What decodes: candle (Rust, embedded, no Python; Qwen3 targets) or torch (PyTorch and
+    /// transformers in a Python child of the worker; any causal LM transformers loads).
+    #[arg(long, value_name = "candle|torch", default_value = "candle")]
+    pub engine: Engine,
+
+    /// The Python of the torch engine [default: $DFLASH_PYTHON, else python3 on PATH].
+    #[arg(long, value_name = "PATH")]
+    pub python: Option<PathBuf>,
+}
+
+impl DecodeEngine {
+    /// With torch, its runtime once its pre-flight has passed for `gpus` (said on stderr);
+    /// with candle, none.
+    pub fn runtime(&self, gpus: &[u32]) -> Result<Option<TorchRuntime>, String> {
+        if self.engine == Engine::Candle {
+            return Ok(None);
+        }
+        let runtime = runtime(self.python.as_deref());
+        let report = check(&runtime, gpus)?;
+        tracing::info!("torch engine: {}", report.describe());
+        Ok(Some(runtime))
     }
 }
 

@@ -649,7 +649,8 @@ pub fn load_heads(
     device: &Device,
     dtype: DType,
 ) -> Result<(Tensor, Tensor), ModelError> {
-    let config = read_config(dir)?;
+    // The heads of any target (a torch target's feeds the candle drafter too).
+    let config = dflash_common::dflash::read_config_for(dir, dflash_common::dflash::Engine::Torch)?;
     let files = weight_files(dir)?;
     // SAFETY: the weight files are read-only inputs, not modified while the tensors live.
     let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, dtype, device) }

@@ -99,6 +99,9 @@ pub struct EvalArgs {
     #[arg(long, value_name = "ID")]
     pub gpu: Option<u32>,
 
+    #[command(flatten)]
+    pub decode: crate::runtime::torch_engine::DecodeEngine,
+
     /// Weights and activations: auto (bf16 on a GPU, f32 on the CPU), f32 or bf16.
     #[arg(long, value_name = "TYPE", default_value = "auto", value_parser = crate::options::dtype_choice())]
     pub dtype: DtypeChoice,
@@ -591,10 +594,13 @@ pub struct Prepared {
 
 /// Validates the arguments and inputs into the worker's request.
 pub fn prepare(args: &EvalArgs) -> Result<Prepared, CliError> {
-    let target = dflash_common::dflash::read_config(&args.target_model)
+    let engine = args.decode.engine;
+    let target = dflash_common::dflash::read_config_for(&args.target_model, engine)
         .map_err(|e| invalid(format!("--target-model {e}")))?;
-    crate::model_dir::check_weights(&args.target_model, &target, target.num_hidden_layers)
-        .map_err(|e| invalid(format!("--target-model {e}")))?;
+    if engine == dflash_common::dflash::Engine::Candle {
+        crate::model_dir::check_weights(&args.target_model, &target, target.num_hidden_layers)
+            .map_err(|e| invalid(format!("--target-model {e}")))?;
+    }
     let drafter = resolve_drafter(&args.drafter).map_err(invalid)?;
     let draft = DraftConfig::read(&drafter).map_err(|e| invalid(format!("--drafter {e}")))?;
     draft
@@ -631,6 +637,7 @@ pub fn prepare(args: &EvalArgs) -> Result<Prepared, CliError> {
     };
     check_stop_tokens(&stop_token_ids, &target).map_err(invalid)?;
     let dtype = args.dtype.resolve(args.gpu.is_some());
+    let torch = args.decode.runtime(args.gpu.as_slice()).map_err(invalid)?;
     let (lines, prompts): (Vec<usize>, Vec<Vec<u32>>) = prompts.into_iter().unzip();
     Ok(Prepared {
         request: EvalRequest {
@@ -644,6 +651,7 @@ pub fn prepare(args: &EvalArgs) -> Result<Prepared, CliError> {
             dtype,
             baseline: true,
             init_seed: args.init_seed,
+            torch,
         },
         lines,
     })

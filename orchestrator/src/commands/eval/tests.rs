@@ -29,6 +29,7 @@ fn request(prompts: Vec<Vec<u32>>, block_size: usize) -> EvalRequest {
         dtype: Precision::F32,
         baseline: true,
         init_seed: None,
+        torch: None,
     }
 }
 

@@ -80,6 +80,9 @@ pub struct GenerateArgs {
     #[arg(long, value_name = "LIST", default_value = "cpu:1")]
     pub gpus: GpuSpec,
 
+    #[command(flatten)]
+    pub decode: crate::runtime::torch_engine::DecodeEngine,
+
     /// Input rows decoded together (and committed together).
     #[arg(long, value_name = "N", default_value_t = 16,
           value_parser = clap::value_parser!(u32).range(1..=4096))]
@@ -288,7 +291,8 @@ pub fn run(args: GenerateArgs) -> Result<(), CliError> {
             args.temperature
         )));
     }
-    let target = dflash_common::dflash::read_config(&args.target_model)
+    let engine = args.decode.engine;
+    let target = dflash_common::dflash::read_config_for(&args.target_model, engine)
         .map_err(|e| invalid(format!("--target-model {e}")))?;
     let tokenizer_path = args
         .tokenizer
@@ -345,7 +349,19 @@ pub fn run(args: GenerateArgs) -> Result<(), CliError> {
             .map_err(invalid)?
     };
     let gpu = devices.iter().any(|d| matches!(d, Device::Gpu(_)));
-    if !gpu && matches!(args.gpus, GpuSpec::Cpu(_)) {
+    let gpu_ids: Vec<u32> = devices
+        .iter()
+        .filter_map(|d| match d {
+            Device::Gpu(g) => Some(*g),
+            Device::Cpu(_) => None,
+        })
+        .collect();
+    let torch = if server.is_some() {
+        None
+    } else {
+        args.decode.runtime(&gpu_ids).map_err(invalid)?
+    };
+    if !gpu && matches!(args.gpus, GpuSpec::Cpu(_)) && torch.is_none() {
         crate::model_dir::check_weights(&args.target_model, &target, target.num_hidden_layers)
             .map_err(|e| invalid(format!("--target-model {e}")))?;
     }
@@ -501,6 +517,7 @@ pub fn run(args: GenerateArgs) -> Result<(), CliError> {
                 stop_token_ids: stop_token_ids.clone(),
                 temperature: args.temperature,
                 seed: args.seed,
+                torch: torch.clone(),
             };
             let result = pool::Pool::start(
                 crate::runtime::workers::worker_binary(),

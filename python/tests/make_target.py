@@ -1,0 +1,75 @@
+"""A tiny random causal LM of a given architecture, made by `transformers` from a config (no
+download), with the tokenizer of another model directory (`dflash-orch init-tiny`'s), for
+end-to-end runs of the torch engine on architectures other than Qwen3.
+
+    python tests/make_target.py --arch llama --like TINY_DIR --output DIR [--seed 0]
+
+Architectures: qwen3, llama (llama3 rope scaling), qwen3_moe, gemma3_text, gpt_oss. The widths
+are init-tiny's (hidden 64, 4 layers, 4 heads / 2 key-value heads of 16, MLP 128); the vocabulary,
+the special tokens and the tokenizer files are those of --like.
+"""
+
+import argparse
+import json
+import os
+import shutil
+
+import torch
+
+
+def config_for(arch, vocab, special):
+    import transformers as tf
+
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  max_position_embeddings=2048, tie_word_embeddings=False, **special)
+    if arch == "qwen3":
+        return tf.Qwen3Config(**common)
+    if arch == "llama":
+        return tf.LlamaConfig(**common, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 256})
+    if arch == "qwen3_moe":
+        return tf.Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2,
+                                 moe_intermediate_size=32, decoder_sparse_step=1)
+    if arch == "gemma3_text":
+        return tf.Gemma3TextConfig(**common, sliding_window=32, query_pre_attn_scalar=16)
+    if arch == "gpt_oss":
+        return tf.GptOssConfig(**common, num_local_experts=4, num_experts_per_tok=2,
+                               sliding_window=32)
+    raise SystemExit(f"make_target: unknown architecture {arch!r}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", required=True)
+    ap.add_argument("--like", required=True, help="the model directory whose tokenizer to use")
+    ap.add_argument("--output", required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    from transformers import AutoModelForCausalLM
+
+    with open(os.path.join(args.like, "config.json")) as f:
+        like = json.load(f)
+    special = {k: like[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in like}
+    torch.manual_seed(args.seed)
+    config = config_for(args.arch, like["vocab_size"], special)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Larger than the default init: a random model whose greedy replies depend on the context.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(args.output)
+    for name in os.listdir(args.like):
+        if name.startswith("tokenizer") or name in ("generation_config.json",
+                                                    "special_tokens_map.json"):
+            shutil.copy(os.path.join(args.like, name), os.path.join(args.output, name))
+    print(json.dumps({"arch": args.arch, "output": args.output,
+                      "architectures": config.architectures}))
+
+
+if __name__ == "__main__":
+    main()
