@@ -2,7 +2,8 @@
 
 `dflash-orch` runs `python -m dflash_orch.preflight` before a launch that uses the torch engine
 and judges the answer itself (the minimum versions live in one place, the orchestrator). Nothing
-here fails: a missing module is reported as null with the reason.
+here fails: a missing module is reported as null with the reason. With `--model DIR`, the report
+also says whether transformers can load DIR as a causal LM (`model_error`, null when it can).
 """
 
 import json
@@ -56,5 +57,27 @@ def _has_flex():
     return True
 
 
+def model_error(model_dir):
+    """Why transformers cannot load `model_dir` as a causal LM (its config and architecture; no
+    weights are read), or None."""
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(model_dir)
+    except Exception as e:
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    try:
+        AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError:
+        return (f"its config ({type(config).__name__}, model_type "
+                f"{getattr(config, 'model_type', '?')!r}) is not a causal LM transformers knows")
+    except Exception as e:
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None
+
+
 if __name__ == "__main__":
-    print(json.dumps(report()), flush=True)
+    out = report()
+    if len(sys.argv) == 3 and sys.argv[1] == "--model" and out["transformers"] is not None:
+        out["model_error"] = model_error(sys.argv[2])
+    print(json.dumps(out), flush=True)

@@ -48,6 +48,9 @@ def main():
     ap.add_argument("--like", required=True, help="the model directory whose tokenizer to use")
     ap.add_argument("--output", required=True)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--std", type=float, default=0.05,
+                    help="standard deviation of the random matrices (larger: replies that depend "
+                         "more on the context)")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
@@ -61,7 +64,7 @@ def main():
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:
-                p.normal_(0.0, 0.1)
+                p.normal_(0.0, args.std)
     model.save_pretrained(args.output)
     for name in os.listdir(args.like):
         if name.startswith("tokenizer") or name in ("generation_config.json",

@@ -11,8 +11,8 @@ use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
 use dflash_e2e::{
-    assert_clean, bin, children, finish, journal_events, orch, signal, stdout_ok, test_python,
-    wait_until, worker_pid, workspace_root,
+    assert_clean, bin, children, finish, journal_events, orch, script, signal, stdout_ok,
+    test_python, wait_until, worker_pid, workspace_root,
 };
 use serde_json::Value;
 
@@ -346,7 +346,12 @@ fn killed_torch_workers_lose_nothing_and_a_resume_keeps_the_engine() {
 /// before creating anything; its dry run refuses the same way (exit 1).
 fn refused(extra: &[&str], python: &Path, needle: &str) -> Output {
     let dir = tempfile::tempdir().unwrap();
-    let target = tiny_target(dir.path());
+    refused_on(&tiny_target(dir.path()), extra, python, needle)
+}
+
+/// [`refused`] with the target in `target`.
+fn refused_on(target: &Path, extra: &[&str], python: &Path, needle: &str) -> Output {
+    let dir = tempfile::tempdir().unwrap();
     let run_dir = dir.path().join("run");
     let mut c = Command::new(bin("dflash-orch"));
     c.arg("launch")
@@ -355,7 +360,7 @@ fn refused(extra: &[&str], python: &Path, needle: &str) -> Output {
         .arg(python)
         .args(extra)
         .arg("--target-model")
-        .arg(&target)
+        .arg(target)
         .arg("--run-dir")
         .arg(&run_dir);
     let out = c.output().unwrap();
@@ -458,4 +463,205 @@ fn a_nan_in_the_torch_targets_features_stops_the_run_or_skips_the_step() {
     );
     assert!(losses(&run_dir).iter().all(|(_, l)| l.is_finite()));
     assert_eq!(journal_events(&run_dir, "end")[0]["status"], "completed");
+}
+
+/// A tiny random model of `arch` made by `transformers` from a config (python/tests/
+/// make_target.py), with init-tiny's tokenizer, in `dir`.
+fn arch_target(dir: &Path, arch: &str) -> PathBuf {
+    let like = tiny_target(dir);
+    let out = dir.join(format!("target-{arch}"));
+    let made = Command::new(test_python())
+        .arg(workspace_root().join("python/tests/make_target.py"))
+        .args(["--arch", arch, "--like"])
+        .arg(&like)
+        .arg("--output")
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(
+        made.status.success(),
+        "make_target {arch}: {}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    out
+}
+
+/// `demo --engine torch` on `target`: generate (the target's replies), prepare, launch, eval
+/// before and after training. Lossless both times; τ after training at least 1.5x τ before.
+fn torch_demo(dir: &Path, target: &Path) -> Value {
+    let run = dir.join("demo");
+    let out = orch(&[
+        "demo",
+        "--run-dir",
+        run.to_str().unwrap(),
+        "--samples",
+        "400",
+        "--epochs",
+        "10",
+        "--engine",
+        "torch",
+        "--python",
+        test_python().to_str().unwrap(),
+        "--target-model",
+        target.to_str().unwrap(),
+        "--json",
+    ]);
+    let demo: Value = serde_json::from_str(&stdout_ok(&out)).unwrap();
+    let served = &demo["served"];
+    let (before, after) = (
+        served["before"]["tau"].as_f64().unwrap(),
+        served["after"]["tau"].as_f64().unwrap(),
+    );
+    eprintln!("{}: served τ {before:.3} -> {after:.3}", target.display());
+    assert_eq!(served["before"]["lossless"], true, "{served}");
+    assert_eq!(served["after"]["lossless"], true, "{served}");
+    assert!(after >= 1.5 * before, "τ {before} -> {after}");
+    demo
+}
+
+/// The official package loads the torch engine's checkpoint strictly and decodes the held-out
+/// prompts with the same target: its τ is ours within 2%, and its outputs are greedy decoding.
+fn official_agrees(dir: &Path, target: &Path, demo: &Value) {
+    let checkpoint = demo["checkpoint"].as_str().unwrap();
+    let after = demo["served"]["after"]["tau"].as_f64().unwrap();
+    let ours: Value = serde_json::from_str(&stdout_ok(&orch(&[
+        "eval",
+        "--target-model",
+        target.to_str().unwrap(),
+        "--drafter",
+        checkpoint,
+        "--prompts",
+        dir.join("demo/eval-prompts.jsonl").to_str().unwrap(),
+        "--max-new-tokens",
+        "64",
+        "--engine",
+        "torch",
+        "--python",
+        test_python().to_str().unwrap(),
+        "--json",
+    ])))
+    .unwrap();
+    assert_eq!(
+        ours["tau"].as_f64().unwrap(),
+        after,
+        "eval repeats the demo's τ"
+    );
+    let prompts = dir.join("prompts.jsonl");
+    let rows: Vec<String> = ours["per_prompt"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| serde_json::json!({"input_ids": p["prompt_ids"]}).to_string())
+        .collect();
+    fs::write(&prompts, rows.join("\n") + "\n").unwrap();
+    let official = Command::new(test_python())
+        .arg(script("official_dflash.py"))
+        .arg("--target-model")
+        .arg(target)
+        .args(["--drafter", checkpoint])
+        .arg("--prompts")
+        .arg(&prompts)
+        .args(["--max-new-tokens", "64", "--stop-token-ids", "2"])
+        .output()
+        .unwrap();
+    let theirs: Value = serde_json::from_slice(&official.stdout).unwrap_or_else(|e| {
+        panic!(
+            "official_dflash.py: {e}\n{}",
+            String::from_utf8_lossy(&official.stderr)
+        )
+    });
+    assert!(official.status.success(), "{theirs}");
+    assert_eq!(theirs["lossless"], true);
+    let their_tau = theirs["tau"].as_f64().unwrap();
+    eprintln!("official τ {their_tau:.3}, ours {after:.3}");
+    assert!(
+        (their_tau - after).abs() <= 0.02 * after,
+        "official τ {their_tau}, ours {after}"
+    );
+}
+
+/// Qwen3 end to end on the torch engine, checked by the official package.
+#[test]
+fn qwen3_end_to_end_on_torch_and_the_official_package_agrees() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = arch_target(dir.path(), "qwen3");
+    let demo = torch_demo(dir.path(), &target);
+    official_agrees(dir.path(), &target, &demo);
+}
+
+/// Llama with llama3 RoPE scaling end to end on the torch engine, checked by the official
+/// package.
+#[test]
+fn llama_end_to_end_on_torch_and_the_official_package_agrees() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = arch_target(dir.path(), "llama");
+    let demo = torch_demo(dir.path(), &target);
+    official_agrees(dir.path(), &target, &demo);
+}
+
+/// Qwen3-MoE end to end on the torch engine.
+#[test]
+fn qwen3_moe_end_to_end_on_torch() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = arch_target(dir.path(), "qwen3_moe");
+    torch_demo(dir.path(), &target);
+}
+
+/// gpt-oss (MoE, attention sinks, sliding-window layers) end to end on the torch engine.
+#[test]
+fn gpt_oss_end_to_end_on_torch() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = arch_target(dir.path(), "gpt_oss");
+    torch_demo(dir.path(), &target);
+}
+
+/// A target the torch engine cannot serve is refused before anything starts: an architecture
+/// transformers does not know (launch and eval, exit 2, naming it), and a `--target-layer-ids`
+/// entry past the target's layers.
+#[test]
+fn a_target_the_torch_engine_cannot_serve_is_refused_up_front() {
+    let dir = tempfile::tempdir().unwrap();
+    let tiny = tiny_target(dir.path());
+    let unknown = dir.path().join("unknown");
+    fs::create_dir(&unknown).unwrap();
+    for f in ["model.safetensors", "tokenizer.json"] {
+        fs::copy(tiny.join(f), unknown.join(f)).unwrap();
+    }
+    let mut config: Value =
+        serde_json::from_slice(&fs::read(tiny.join("config.json")).unwrap()).unwrap();
+    config["architectures"] = serde_json::json!(["FooForCausalLM"]);
+    config["model_type"] = serde_json::json!("foo_lm");
+    fs::write(unknown.join("config.json"), config.to_string()).unwrap();
+    let torch_on_cpus = [CPU_WORKERS.as_slice(), &["--engine", "torch"]].concat();
+    refused_on(&unknown, &torch_on_cpus, &test_python(), "cannot load");
+    // candle names the engine that would run it.
+    refused_on(
+        &unknown,
+        &[CPU_WORKERS.as_slice(), &["--engine", "candle"]].concat(),
+        &test_python(),
+        "--engine torch",
+    );
+    // eval refuses the same target the same way, before starting a worker.
+    let out = orch(&[
+        "eval",
+        "--target-model",
+        unknown.to_str().unwrap(),
+        "--drafter",
+        unknown.to_str().unwrap(),
+        "--prompts",
+        tiny.join("config.json").to_str().unwrap(),
+        "--engine",
+        "torch",
+        "--python",
+        test_python().to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    // A layer id past the target's four layers.
+    refused(
+        &[torch_on_cpus.as_slice(), &["--target-layer-ids", "0,9"]].concat(),
+        &test_python(),
+        "layer 9 is beyond the target's 4 layers",
+    );
 }

@@ -85,7 +85,8 @@ pub(super) fn check_engines(settings: &mut DflashSettings, gpus: &[u32]) -> Resu
         .torch
         .get_or_insert_with(|| super::torch_engine::runtime(None));
     if checked.is_none() {
-        let report = super::torch_engine::check(runtime, gpus).map_err(RunError::Invalid)?;
+        let report = super::torch_engine::check(runtime, gpus, Some(&settings.target_model))
+            .map_err(RunError::Invalid)?;
         tracing::info!("torch engine: {}", report.describe());
     }
     Ok(())
@@ -102,7 +103,7 @@ fn auto_engines(
         .clone()
         .unwrap_or_else(|| super::torch_engine::runtime(None));
     let gpus = if gpus.is_empty() { &[0][..] } else { gpus };
-    match super::torch_engine::check(&runtime, gpus) {
+    match super::torch_engine::check(&runtime, gpus, Some(&settings.target_model)) {
         Ok(report) => {
             tracing::info!("--engine auto: torch ({})", report.describe());
             (Engines::both(Engine::Torch), Some(report))

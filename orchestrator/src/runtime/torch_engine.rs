@@ -67,12 +67,12 @@ pub struct DecodeEngine {
 impl DecodeEngine {
     /// With torch, its runtime once its pre-flight has passed for `gpus` (said on stderr);
     /// with candle, none.
-    pub fn runtime(&self, gpus: &[u32]) -> Result<Option<TorchRuntime>, String> {
+    pub fn runtime(&self, gpus: &[u32], model: &Path) -> Result<Option<TorchRuntime>, String> {
         if self.engine == Engine::Candle {
             return Ok(None);
         }
         let runtime = runtime(self.python.as_deref());
-        let report = check(&runtime, gpus)?;
+        let report = check(&runtime, gpus, Some(model))?;
         tracing::info!("torch engine: {}", report.describe());
         Ok(Some(runtime))
     }
@@ -100,6 +100,9 @@ pub struct Preflight {
     pub cuda_devices: u32,
     #[serde(default)]
     pub cuda_version: Option<String>,
+    /// Why transformers cannot load the model directory the probe was given as a causal LM.
+    #[serde(default)]
+    pub model_error: Option<String>,
 }
 
 impl Preflight {
@@ -131,11 +134,14 @@ pub fn major_minor(version: &str) -> Option<(u32, u32)> {
 }
 
 /// Runs the pre-flight in `runtime`'s Python and reads its answer.
-pub fn probe(runtime: &TorchRuntime) -> Result<Preflight, String> {
+pub fn probe(runtime: &TorchRuntime, model: Option<&Path>) -> Result<Preflight, String> {
     let py = runtime.python.display();
     let mut command = Command::new(&runtime.python);
+    command.args(["-m", "dflash_orch.preflight"]);
+    if let Some(model) = model {
+        command.arg("--model").arg(model);
+    }
     command
-        .args(["-m", "dflash_orch.preflight"])
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
@@ -316,9 +322,23 @@ fn require(
 pub const PROTOCOL: u64 = 1;
 
 /// Probes and judges in one: the report, or why the engine cannot run.
-pub fn check(runtime: &TorchRuntime, gpus: &[u32]) -> Result<Preflight, String> {
-    let report = probe(runtime)?;
+/// With `model`, transformers must also know its architecture as a causal LM (its config is read;
+/// no weight is).
+pub fn check(
+    runtime: &TorchRuntime,
+    gpus: &[u32],
+    model: Option<&Path>,
+) -> Result<Preflight, String> {
+    let report = probe(runtime, model)?;
     judge(&report, &runtime.python, gpus)?;
+    if let Some(why) = &report.model_error {
+        return Err(format!(
+            "transformers {} cannot load {} as a causal LM: {}",
+            report.transformers.as_deref().unwrap_or("?"),
+            model.map_or_else(String::new, |m| m.display().to_string()),
+            clip(why, 300)
+        ));
+    }
     Ok(report)
 }
 
@@ -340,6 +360,7 @@ mod tests {
             cuda_available: true,
             cuda_devices: 8,
             cuda_version: Some("13.0".into()),
+            model_error: None,
         }
     }
 
@@ -404,10 +425,13 @@ mod tests {
 
     #[test]
     fn a_python_that_does_not_exist_is_named() {
-        let e = probe(&TorchRuntime {
-            python: "/nonexistent/python3".into(),
-            package_dir: None,
-        })
+        let e = probe(
+            &TorchRuntime {
+                python: "/nonexistent/python3".into(),
+                package_dir: None,
+            },
+            None,
+        )
         .unwrap_err();
         assert!(e.contains("/nonexistent/python3 was not found"), "{e}");
     }

@@ -637,7 +637,10 @@ pub fn prepare(args: &EvalArgs) -> Result<Prepared, CliError> {
     };
     check_stop_tokens(&stop_token_ids, &target).map_err(invalid)?;
     let dtype = args.dtype.resolve(args.gpu.is_some());
-    let torch = args.decode.runtime(args.gpu.as_slice()).map_err(invalid)?;
+    let torch = args
+        .decode
+        .runtime(args.gpu.as_slice(), &args.target_model)
+        .map_err(invalid)?;
     let (lines, prompts): (Vec<usize>, Vec<Vec<u32>>) = prompts.into_iter().unzip();
     Ok(Prepared {
         request: EvalRequest {

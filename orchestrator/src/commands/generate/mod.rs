@@ -359,7 +359,9 @@ pub fn run(args: GenerateArgs) -> Result<(), CliError> {
     let torch = if server.is_some() {
         None
     } else {
-        args.decode.runtime(&gpu_ids).map_err(invalid)?
+        args.decode
+            .runtime(&gpu_ids, &args.target_model)
+            .map_err(invalid)?
     };
     if !gpu && matches!(args.gpus, GpuSpec::Cpu(_)) && torch.is_none() {
         crate::model_dir::check_weights(&args.target_model, &target, target.num_hidden_layers)
