@@ -13,9 +13,11 @@ positions) attend, in one SDPA call, to the keys of the sequence's context befor
 last anchor followed by the chunk's own block keys, under a boolean mask (context position < the
 block's anchor; block key in the same block). Scores exist for one chunk at a time (and not at all
 where SDPA's fused kernels take a mask), and so do the chunk's logits: memory is linear in the
-micro-batch's tokens with `--anchor-chunk`. Each chunk is back-propagated into a detached copy of
-the context, whose summed gradient goes through the context once at the end, as in candle. The
-target's embedding and `lm_head` are plain tensors: no gradient, no backward work for them.
+micro-batch's tokens with `--anchor-chunk`; a chunk's full-vocabulary logits exist for 4,096
+block positions at a time (pieces past that are checkpointed and recomputed in backward). Each
+chunk is back-propagated into a detached copy of the context, whose summed gradient goes through
+the context once at the end, as in candle. The target's embedding and `lm_head` are plain
+tensors: no gradient, no backward work for them.
 """
 
 import json
@@ -24,8 +26,14 @@ import os
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from .target import device_for, dtype_of
+
+# Block positions of the loss computed at once: 4,096 x a 151,936-token vocabulary is 2.5 GB of
+# f32 logits. `DFLASH_LOSS_ROWS` overrides it (tests make it small to exercise the pieces).
+DEFAULT_LOSS_ROWS = 4096
+LOSS_ROWS_ENV = "DFLASH_LOSS_ROWS"
 
 
 def rms_norm(x, weight, eps):
@@ -142,6 +150,8 @@ class TorchDrafter:
         distill = req.get("distill")
         self.distill = (float(distill[0]), float(distill[1])) if distill else None
         self.chunk = req.get("anchor_chunk") or None
+        # Block positions whose full-vocabulary logits exist at once in the loss.
+        self.loss_rows = max(1, int(os.environ.get(LOSS_ROWS_ENV, "") or DEFAULT_LOSS_ROWS))
         self.weight_decay = float(req["weight_decay"])
         self.names = list(req.get("names") or param_names(self.layers))
         self.embedding, self.lm_head = load_heads(req["model"], self.compute, device)
@@ -332,31 +342,53 @@ class TorchDrafter:
 
     def chunk_loss(self, context, teacher, tokens, loss_mask, anchors):
         """Weighted cross-entropy sum of one chunk's blocks, its weights' sum, and per block
-        position (correct, counted)."""
+        position (correct, counted). The full-vocabulary logits exist for `loss_rows` block
+        positions at a time: past that many, each piece of rows is checkpointed (its logits are
+        recomputed in the backward pass instead of kept)."""
         a, b, n = len(anchors), self.block, len(tokens)
         x = self.block_states(context, [tokens[p] for p in anchors], anchors)
-        logits = F.linear(x, self.lm_head).float()
         targets = torch.tensor(
             [tokens[p + k] if p + k < n else 0 for p in anchors for k in range(b)],
             dtype=torch.long, device=self.device)
         weights = block_weights(loss_mask, anchors, b, self.gamma).to(self.device)
-        log_probs = F.log_softmax(logits, dim=-1)
-        per = -log_probs.gather(1, targets.unsqueeze(1)).squeeze(1)
+        taught = None
         if self.distill is not None and teacher is not None:
-            share, temperature = self.distill
             last = teacher.shape[0] - 1
             rows = torch.tensor([min(max(p + k - 1, 0), last) for p in anchors for k in range(b)],
                                 dtype=torch.long, device=self.device)
-            with torch.no_grad():
-                taught = F.linear(teacher[rows].to(self.compute), self.lm_head).float()
-                target_probs = torch.softmax(taught / temperature, dim=-1)
-            kd = -(target_probs * log_probs).sum(-1)
-            per = per * (1.0 - share) + kd * share
-        total = (per * weights).sum()
+            taught = teacher[rows].to(self.compute)
+        step = self.loss_rows
+        totals, predicted = [], []
+        for i in range(0, a * b, step):
+            piece = slice(i, i + step)
+            args = (x[piece], targets[piece], weights[piece],
+                    None if taught is None else taught[piece])
+            if a * b > step:
+                total, argmax = checkpoint(self._rows_loss, *args, use_reentrant=False)
+            else:
+                total, argmax = self._rows_loss(*args)
+            totals.append(total)
+            predicted.append(argmax)
+        total = totals[0] if len(totals) == 1 else torch.stack(totals).sum()
         with torch.no_grad():
             counted = (weights > 0).view(a, b)
-            hit = ((logits.argmax(-1) == targets).view(a, b) & counted)
+            hit = ((torch.cat(predicted) == targets).view(a, b) & counted)
         return total, float(weights.sum()), hit.sum(0), counted.sum(0)
+
+    def _rows_loss(self, x, targets, weights, taught):
+        """The weighted loss sum of some block positions (`x`: their final hidden states), and
+        their greedy predictions."""
+        logits = F.linear(x, self.lm_head).float()
+        log_probs = F.log_softmax(logits, dim=-1)
+        per = -log_probs.gather(1, targets.unsqueeze(1)).squeeze(1)
+        if taught is not None:
+            share, temperature = self.distill
+            with torch.no_grad():
+                target_probs = torch.softmax(
+                    F.linear(taught, self.lm_head).float() / temperature, dim=-1)
+            kd = -(target_probs * log_probs).sum(-1)
+            per = per * (1.0 - share) + kd * share
+        return (per * weights).sum(), logits.detach().argmax(-1)
 
     # -- the training step ----------------------------------------------------------------
 

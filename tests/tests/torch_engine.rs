@@ -160,8 +160,8 @@ fn the_torch_targets_features_equal_transformers_on_packed_batches() {
 /// The engines train alike, from the same plan and initial weights: the torch drafter's per-step
 /// losses (torch target too) and a mixed run's (torch target, candle drafter) equal the
 /// candle-only run's within 1e-4 relative over 60 steps; so do they with distillation mixed in,
-/// gamma, two drafter layers, accumulation and anchor chunks. Anchors, loss weights and layer ids
-/// are decided in Rust for both engines, and every step the drafter worker checks the torch
+/// gamma, two drafter layers, accumulation and anchor chunks, and with the torch drafter's loss
+/// in checkpointed pieces of rows. Anchors, loss weights and layer ids are decided in Rust for both engines, and every step the drafter worker checks the torch
 /// engine's loss weight against its own, so a drift in the block mask or gamma fails a run; a
 /// drift in the attention's mask or the model fails these comparisons.
 #[test]
@@ -251,6 +251,16 @@ fn the_engines_train_alike_from_the_same_plan() {
     );
     finish(launch(&torch, &target, "torch", &variant).spawn().unwrap());
     assert_losses_agree(&losses(&torch), &losses(&candle), 30, 1e-4);
+    // The loss in pieces of 7 block positions, each checkpointed (its logits recomputed in the
+    // backward pass), as a large vocabulary's is: the same losses.
+    let pieces = dir.path().join("torch-mix-pieces");
+    finish(
+        launch(&pieces, &target, "torch", &variant)
+            .env("DFLASH_LOSS_ROWS", "7")
+            .spawn()
+            .unwrap(),
+    );
+    assert_losses_agree(&losses(&pieces), &losses(&candle), 30, 1e-4);
 }
 
 /// Exact replay on the torch engine (target and drafter): SIGKILL of a target worker's Python
