@@ -21,30 +21,16 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from dflash_orch.target import TorchTarget  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import make_target  # noqa: E402
+
 COMMON = dict(vocab_size=211, hidden_size=48, intermediate_size=96, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=2, head_dim=12,
               max_position_embeddings=512)
 
 
 def config_for(arch):
-    import transformers as tf
-
-    if arch == "qwen3":
-        return tf.Qwen3Config(**COMMON)
-    if arch == "llama":
-        return tf.LlamaConfig(**COMMON, rope_parameters={
-            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64})
-    if arch == "qwen3_moe":
-        return tf.Qwen3MoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2,
-                                 moe_intermediate_size=32, decoder_sparse_step=1)
-    if arch == "gemma3_text":
-        return tf.Gemma3TextConfig(**COMMON, sliding_window=8, query_pre_attn_scalar=12)
-    if arch == "gpt_oss":
-        c = dict(COMMON)
-        return tf.GptOssConfig(**c, num_local_experts=4, num_experts_per_tok=2, sliding_window=8)
-    raise SystemExit(f"check_target: unknown architecture {arch!r}")
+    return make_target.config_for(arch, COMMON, window=8, original_max=64)
 
 
 def reference(model, tokens, lengths, indices):

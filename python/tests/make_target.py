@@ -17,28 +17,29 @@ import shutil
 import torch
 
 
-def config_for(arch, vocab, special):
+def config_for(arch, common, window, original_max):
+    """The `transformers` config of a tiny `arch` with the widths of `common`, a sliding window of
+    `window` (Gemma 3, gpt-oss) and llama3 scaling from `original_max` positions (Llama). The
+    feature check (check_target.py) makes its models here too."""
     import transformers as tf
 
-    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                  max_position_embeddings=2048, tie_word_embeddings=False, **special)
     if arch == "qwen3":
         return tf.Qwen3Config(**common)
     if arch == "llama":
         return tf.LlamaConfig(**common, rope_parameters={
             "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 256})
+            "original_max_position_embeddings": original_max})
     if arch == "qwen3_moe":
         return tf.Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2,
                                  moe_intermediate_size=32, decoder_sparse_step=1)
     if arch == "gemma3_text":
-        return tf.Gemma3TextConfig(**common, sliding_window=32, query_pre_attn_scalar=16)
+        return tf.Gemma3TextConfig(**common, sliding_window=window,
+                                   query_pre_attn_scalar=common["head_dim"])
     if arch == "gpt_oss":
         return tf.GptOssConfig(**common, num_local_experts=4, num_experts_per_tok=2,
-                               sliding_window=32)
-    raise SystemExit(f"make_target: unknown architecture {arch!r}")
+                               sliding_window=window)
+    raise SystemExit(f"unknown architecture {arch!r}")
 
 
 def main():
@@ -58,7 +59,10 @@ def main():
         like = json.load(f)
     special = {k: like[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in like}
     torch.manual_seed(args.seed)
-    config = config_for(args.arch, like["vocab_size"], special)
+    common = dict(vocab_size=like["vocab_size"], hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  max_position_embeddings=2048, tie_word_embeddings=False, **special)
+    config = config_for(args.arch, common, window=32, original_max=256)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Larger than the default init: a random model whose greedy replies depend on the context.
     with torch.no_grad():
