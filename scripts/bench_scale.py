@@ -6,9 +6,10 @@ For each token budget B, one `dflash-orch launch --stage dflash --gpus cpu:2 --t
 dataset whose sequences are all --max-len tokens long (B / max-len sequences per batch, --batches
 batches, one epoch), under a wall-clock limit and a memory cap. From the run's metrics.jsonl:
 
-  peak RSS     per worker, the largest `peak_rss_bytes` (the kernel's VmHWM) of its `process`
-               lines (`rss_bytes` where a line has no peak), and the VmHWM this script read from
-               /proc while the worker lived, whichever is larger
+  peak RSS     per worker, the largest `peak_rss_bytes` (the kernel's VmHWM, the worker's plus
+               its children's: a torch worker's Python side) of its `process` lines
+               (`rss_bytes` where a line has no peak), and the VmHWM this script read from
+               /proc while the worker and its children lived, whichever is larger
   drafter      tokens/s = real tokens / the drafter's job time (`compute_s` of the `batch` lines,
                dispatch to answer), over the batches after the first (all of them if only one)
   target       tokens/s = real tokens the target forwarded / its busy time, measured as the CPU
@@ -121,6 +122,8 @@ def parse_args(argv):
     ap.add_argument("--anchor-chunk", type=chunk_size)
     ap.add_argument("--dtype", type=dtype_name("--dtype"))
     ap.add_argument("--feature-dtype", type=dtype_name("--feature-dtype"))
+    ap.add_argument("--engine", choices=["candle", "torch"], default="candle")
+    ap.add_argument("--python")
     ap.add_argument("--launch-timeout", type=positive_float("--launch-timeout", 1.0, 86400.0), default=480.0)
     ap.add_argument("--time-limit", type=positive_float("--time-limit", 1.0, 7 * 86400.0), default=1140.0)
     ap.add_argument("--mem-cap", type=positive_float("--mem-cap", 0.0, 1e6, allow_zero=True))
@@ -143,6 +146,8 @@ def parse_args(argv):
         raise Usage(f"--budgets: {args.budgets[0]} is below --max-len {args.max_len}: no sequence fits a batch")
     if args.json_out == "":
         raise Usage("--json needs a path")
+    if args.python is not None and args.engine != "torch":
+        raise Usage("--python is for --engine torch")
     return args
 
 
@@ -279,13 +284,24 @@ class Launch:
             cpu = proc_cpu_s(pid)
             if st is None:
                 continue
-            rec = self.seen.setdefault(pid, {"hwm": 0, "cpu_s": 0.0, "cpus": 1})
+            rec = self.seen.setdefault(pid, {"hwm": 0, "cpu_s": 0.0, "cpus": 1, "kids": {}})
             rec["hwm"] = max(rec["hwm"], st.get("VmHWM", 0))
             rec["cpus"] = st.get("cpus", rec["cpus"])
             if cpu is not None:
                 rec["cpu_s"] = max(rec["cpu_s"], cpu)
-            if self.cap and st.get("VmRSS", 0) > self.cap and self.reason is None:
-                self.over_cap = (pid, st["VmRSS"])
+            rss = st.get("VmRSS", 0)
+            # A torch worker's Python side is its child: counted in (peak and CPU time).
+            for kid in children(pid):
+                kst, kcpu = proc_status(kid), proc_cpu_s(kid)
+                if kst is None:
+                    continue
+                k = rec["kids"].setdefault(kid, {"hwm": 0, "cpu_s": 0.0})
+                k["hwm"] = max(k["hwm"], kst.get("VmHWM", 0))
+                if kcpu is not None:
+                    k["cpu_s"] = max(k["cpu_s"], kcpu)
+                rss += kst.get("VmRSS", 0)
+            if self.cap and rss > self.cap and self.reason is None:
+                self.over_cap = (pid, rss)
                 self.reason = f"worker pid {pid} went over the memory cap ({self.cap / GB:.1f} GB)"
                 self.kill()
 
@@ -363,8 +379,9 @@ def summarize(launch, budget, planned_batches, per_batch, max_len):
         if wid is None:
             continue
         w = workers[wid]
-        w["peak_rss_bytes"] = max(w["peak_rss_bytes"], rec["hwm"])
-        w["cpu_s"] = w.get("cpu_s", 0.0) + rec["cpu_s"]
+        kids = rec.get("kids", {}).values()
+        w["peak_rss_bytes"] = max(w["peak_rss_bytes"], rec["hwm"] + sum(k["hwm"] for k in kids))
+        w["cpu_s"] = w.get("cpu_s", 0.0) + rec["cpu_s"] + sum(k["cpu_s"] for k in kids)
         w["cpus"] = rec["cpus"]
     batches = [v for v in lines if v.get("kind") == "batch"]
     batches.sort(key=lambda v: v.get("step", 0))
@@ -399,7 +416,8 @@ def summarize(launch, budget, planned_batches, per_batch, max_len):
     for wid in sorted(workers):
         try:
             with open(os.path.join(launch.run_dir, "logs", f"worker-{wid}.log"), errors="replace") as f:
-                hit = next((l.strip() for l in f if "memory allocation of" in l), None)
+                hit = next((l.strip() for l in f if "memory allocation of" in l
+                            or "can't allocate memory" in l or "CUDA out of memory" in l), None)
         except OSError:
             hit = None
         if hit and oom is None:
@@ -505,7 +523,7 @@ def main(argv):
               f"{config['head_dim']}, intermediate {config['intermediate_size']}, vocab {config['vocab_size']}")
         print(f"drafter: {args.draft_layers} layer(s), block {args.block_size}, {args.num_anchors} anchors per "
               f"sequence; sequences of {args.max_len} tokens; {args.batches} batch(es) per budget; "
-              f"--gpus {args.gpus} --topology 1:1"
+              f"--gpus {args.gpus} --topology 1:1 --engine {args.engine}"
               + "".join(f"; --{k.replace('_', '-')} {getattr(args, k)}"
                         for k in ("anchor_chunk", "dtype", "feature_dtype") if getattr(args, k) is not None))
         print(f"limits: {args.launch_timeout:.0f} s per launch, {args.time_limit:.0f} s in all; memory cap "
@@ -542,6 +560,7 @@ def main(argv):
             for k in ("anchor_chunk", "dtype", "feature_dtype"):
                 if getattr(args, k) is not None:
                     cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+            cmd += ["--engine", args.engine] + (["--python", args.python] if args.python else [])
             planned = dry_run(cmd)
             if cap and prlimit:
                 cmd = [prlimit, f"--as={cap}", "--"] + cmd

@@ -4,6 +4,9 @@
 Started by scripts/gpu-check (which see for the usage). Steps, each recorded in the summary with
 "ok" and, when it failed, "error"; a failed step does not stop the ones after it:
 
+  environment   what a first GPU run trips on: the driver's CUDA against the worker's and torch's
+                CUDA builds; CUDA and NVML numbering the GPUs alike (CUDA_DEVICE_ORDER=PCI_BUS_ID,
+                which dflash-orch sets for its workers); LD_LIBRARY_PATH left to dflash-orch
   capabilities  dflash-worker --capabilities (the binary starts, its CUDA libraries resolve)
   nvml          a short synthetic run; the NVML readings in metrics.jsonl; nvidia-smi
   model         dflash-orch init-tiny: Qwen3-0.6B's shape with random weights (--cpu: a tiny one)
@@ -15,7 +18,15 @@ Started by scripts/gpu-check (which see for the usage). Steps, each recorded in 
   crash_resume  the same run again, the drafter SIGKILLed mid-run and restarted by the
                 orchestrator: the loss per optimiser step against the uninterrupted run
   pytorch       the same model shape and batch through PyTorch (transformers' Qwen3 target,
-                scripts/bench_dflash.py's drafter port) on the same device: tokens/s and the ratio
+                scripts/bench_dflash.py's drafter port) on the same device: tokens/s and the ratio;
+                a batch that runs out of memory is halved and tried again (said in the summary)
+  torch_dflash  the dflash run on the torch engine (--engine torch): tokens/s, peak memory, the
+                loss falls
+  torch_crash_resume  the crash_resume step on the torch engine
+  drafter_step  one drafter training step at the seeds' shape (Qwen3-8B widths, 5 layers, 6
+                sequences of 8,192 tokens = budget 49,152, 512 anchors, block 16, bf16) on both
+                engines (dflash-worker --drafter-bench, python -m dflash_orch.bench_step):
+                tokens/s and MFU (--cpu: a tiny shape)
 
 Progress goes to stderr; the summary, one JSON object, to stdout at the end.
 Exit codes: 0 every step passed, 1 a step failed, 2 bad usage.
@@ -112,11 +123,16 @@ def cuda_lib_dirs(python):
     return [d for d in dirs if os.path.isdir(d)]
 
 
-def child_env(args, worker):
+def child_env(args, worker, libraries):
+    """The environment of the check's commands. With `libraries`, the CUDA libraries' folders on
+    LD_LIBRARY_PATH: for running dflash-worker directly, and in --cpu mode (the packaged worker is
+    the CUDA build, which needs them to start at all, and dflash-orch adds them for GPU workers
+    only). Without: dflash-orch's GPU runs show that the orchestrator sets them itself."""
     env = dict(os.environ)
     env["DFLASH_WORKER_BIN"] = worker
     env.setdefault("RUST_BACKTRACE", "1")
-    # Also in --cpu mode: the packaged worker is the CUDA build, which needs them to start at all.
+    if not libraries:
+        return env
     have = [d for d in cuda_lib_dirs(args.python)
             if any(os.path.exists(os.path.join(d, lib)) for lib in CUDA_LIBS)]
     old = [d for d in env.get("LD_LIBRARY_PATH", "").split(":") if d]
@@ -351,18 +367,98 @@ def journal_config(run_dir):
 # The steps.
 
 
+TORCH_PROBE = r"""
+import json, torch
+out = {"torch": torch.__version__, "cuda": torch.version.cuda, "available": torch.cuda.is_available(),
+       "devices": []}
+if out["available"]:
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        out["devices"].append({"index": i, "name": p.name, "uuid": str(getattr(p, "uuid", "") or ""),
+                               "total_mib": p.total_memory >> 20})
+print(json.dumps(out))
+"""
+
+
+def version_tuple(text):
+    m = re.match(r"(\d+)\.(\d+)", str(text or ""))
+    return (int(m[1]), int(m[2])) if m else None
+
+
+def uuid_key(text):
+    return str(text or "").strip().lower().removeprefix("gpu-")
+
+
+def step_environment(ctx):
+    """What the first GPU run would trip on, before it runs."""
+    if ctx.cpu:
+        return {"skipped": "--cpu: no driver to check"}
+    if not shutil.which("nvidia-smi"):
+        raise StepFailed("nvidia-smi is not on PATH (no NVIDIA driver?)")
+    res, problems = {}, []
+    head = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=60)
+    m = re.search(r"CUDA Version:\s*([\d.]+)", head.stdout)
+    res["driver_cuda"] = m[1] if m else None
+    q = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid,pci.bus_id,driver_version",
+                        "--format=csv,noheader"], capture_output=True, text=True, timeout=60)
+    gpus = [dict(zip(("index", "uuid", "pci_bus_id", "driver"), (x.strip() for x in line.split(","))))
+            for line in q.stdout.splitlines() if line.count(",") >= 3]
+    res["driver"] = gpus[0]["driver"] if gpus else None
+    res["nvml_gpus"] = gpus
+    res["worker_cuda"] = (ctx.build or {}).get("cuda_version")
+    env = dict(ctx.env, CUDA_DEVICE_ORDER="PCI_BUS_ID")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    probe = subprocess.run([ctx.args.python, "-c", TORCH_PROBE], capture_output=True, text=True, timeout=180,
+                           env=env)
+    try:
+        torch_info = json.loads(probe.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        torch_info = {}
+        problems.append(f"{ctx.args.python} cannot report torch's CUDA: {probe.stderr.strip()[-300:]}")
+    res["torch"] = torch_info
+    driver = version_tuple(res["driver_cuda"])
+    if driver is None:
+        problems.append("nvidia-smi names no CUDA version (no driver loaded?)")
+    for what, built in (("the CUDA worker", res["worker_cuda"]), ("torch", torch_info.get("cuda"))):
+        need = version_tuple(built)
+        if driver and need and need > driver:
+            problems.append(f"{what} is built for CUDA {built}, the driver supports CUDA {res['driver_cuda']} at "
+                            f"most: update the driver, or use a build for CUDA {res['driver_cuda']}")
+    if torch_info and not torch_info.get("available"):
+        problems.append(f"torch {torch_info.get('torch')} sees no CUDA device")
+    # dflash-orch gives each worker CUDA_VISIBLE_DEVICES=<NVML index> with CUDA_DEVICE_ORDER=PCI_BUS_ID:
+    # CUDA's device i must then be NVML's GPU i.
+    cuda_ids = [uuid_key(d.get("uuid")) for d in torch_info.get("devices", [])]
+    nvml_ids = [uuid_key(g["uuid"]) for g in gpus]
+    if cuda_ids and all(cuda_ids):
+        res["numbering_matches"] = cuda_ids == nvml_ids
+        if cuda_ids != nvml_ids:
+            problems.append("with CUDA_DEVICE_ORDER=PCI_BUS_ID, CUDA numbers the GPUs unlike NVML: "
+                            f"CUDA {cuda_ids}, NVML {nvml_ids}")
+    else:
+        res["numbering_matches"] = None
+        res["numbering_note"] = "torch gives no device UUIDs: the numbering was not compared"
+    res["ld_library_path"] = os.environ.get("LD_LIBRARY_PATH")
+    res["ld_library_path_for_workers"] = ("left to dflash-orch: the launches of this check get no CUDA library "
+                                          "folders from it")
+    if problems:
+        raise StepFailed("; ".join(problems), **res)
+    return res
+
+
 def step_capabilities(ctx):
     for path in (ctx.orch, ctx.worker):
         if not os.access(path, os.X_OK):
             raise StepFailed(f"{path} is missing or not executable (in the repository: cargo build --release "
                              "--bins, and scripts/build-cuda for the CUDA worker; or use scripts/package-gpu-check's "
                              "folder)")
-    out = subprocess.run([ctx.worker, "--capabilities"], capture_output=True, text=True, timeout=60, env=ctx.env)
+    out = subprocess.run([ctx.worker, "--capabilities"], capture_output=True, text=True, timeout=60,
+                         env=ctx.worker_env)
     res = {"worker": ctx.worker, "orchestrator": ctx.orch}
     if out.returncode != 0:
         missing = []
         if shutil.which("ldd"):
-            ldd = subprocess.run(["ldd", ctx.worker], capture_output=True, text=True, env=ctx.env).stdout
+            ldd = subprocess.run(["ldd", ctx.worker], capture_output=True, text=True, env=ctx.worker_env).stdout
             missing = [line.split()[0] for line in ldd.splitlines() if "not found" in line]
         hint = (f"; libraries not found: {', '.join(missing)} (install PyTorch's CUDA 13 wheels, or point "
                 "LD_LIBRARY_PATH at them)") if missing else ""
@@ -378,7 +474,7 @@ def step_capabilities(ctx):
 def step_copy(ctx):
     """The features' two copies on the worker's device: into a host buffer as a target writes its
     feature slot (device to host) and out of it as the drafter reads one (host to device)."""
-    env = dict(ctx.env)
+    env = dict(ctx.worker_env)
     if ctx.cpu:
         env.pop("CUDA_VISIBLE_DEVICES", None)
     else:
@@ -463,8 +559,9 @@ def step_model(ctx):
             "vocab": cfg.get("vocab_size")}
 
 
-def dflash_args(ctx):
-    a = ["--stage", "dflash", "--target-model", ctx.model, "--gpus", ctx.pair, "--topology", "1:1",
+def dflash_args(ctx, engine=None):
+    a = ["--engine", engine, "--python", ctx.args.python] if engine else []
+    a += ["--stage", "dflash", "--target-model", ctx.model, "--gpus", ctx.pair, "--topology", "1:1",
          "--synthetic", str(ctx.args.samples), "--max-len", str(ctx.args.max_len),
          "--token-budget", str(ctx.args.token_budget), "--epochs", "1", "--save-every", str(ctx.args.save_every)]
     if ctx.dtype_flags:
@@ -472,10 +569,10 @@ def dflash_args(ctx):
     return a + ctx.args.launch_arg
 
 
-def step_dflash(ctx):
+def step_dflash(ctx, engine=None):
     if ctx.model is None:
         raise StepFailed("no model (the model step failed)")
-    run = Run(ctx, "dflash", dflash_args(ctx))
+    run = Run(ctx, f"dflash-{engine}" if engine else "dflash", dflash_args(ctx, engine))
     plan = memory_plan(ctx, run)
     with GpuMemoryPoller() if not ctx.cpu else _Null() as poller:
         run.start()
@@ -484,7 +581,7 @@ def step_dflash(ctx):
     res["dtype"] = ctx.dtype if ctx.dtype_flags else "default (this dflash-orch has no --dtype)"
     res["memory_plan"] = plan
     res["launch"] = " ".join(run.args[1:])
-    ctx.reference = run
+    ctx.references[engine] = run
     if run.timed_out:
         raise StepFailed(f"the run did not finish within {ctx.args.run_timeout} s (raise --run-timeout or lower "
                          f"--samples)", **res)
@@ -526,7 +623,7 @@ class _Null:
 
 def step_serve(ctx):
     """generate and eval on the device, with the dflash step's checkpoint."""
-    ref = ctx.reference
+    ref = ctx.references.get(None)
     if ctx.model is None or ref is None or ref.proc is None or ref.proc.returncode != 0:
         raise StepFailed("no checkpoint (the dflash step failed)")
     for sub in ("generate", "eval"):
@@ -562,14 +659,14 @@ def step_serve(ctx):
     return res
 
 
-def step_crash_resume(ctx):
+def step_crash_resume(ctx, engine=None):
     if ctx.model is None:
         raise StepFailed("no model (the model step failed)")
-    ref = ctx.reference
+    ref = ctx.references.get(engine)
     if ref is not None and ref.timed_out:
         raise StepFailed("not run: the uninterrupted run did not finish in time, this one would not either")
     ref_losses = train_losses(ref.metrics()) if ref is not None and ref.proc.returncode == 0 else None
-    run = Run(ctx, "crash", dflash_args(ctx)).start()
+    run = Run(ctx, f"crash-{engine}" if engine else "crash", dflash_args(ctx, engine)).start()
     # The run's timeout: room for the restart and the replayed batches on top of the reference.
     limit = ctx.args.run_timeout if ref is None or ref.wall_s is None else 2 * ref.wall_s + 60
     # Leave the PyTorch step its time: its number is wanted even when this run is slow.
@@ -653,7 +750,7 @@ def step_pytorch(ctx):
     bench = os.path.join(HERE, "bench_dflash.py")
     if not os.path.exists(bench):
         raise StepFailed(f"{bench} is missing")
-    ref = ctx.reference
+    ref = ctx.references.get(None)
     d = (journal_config(ref.dir).get("dflash") if ref is not None else None) or {}
     source = "the dflash run's journal"
     if not d:
@@ -672,34 +769,175 @@ def step_pytorch(ctx):
     seq = int(statistics.median(int(b["max_len"]) for b in batches)) if batches else ctx.args.max_len // 2
     batch = max(1, ctx.args.token_budget // max(seq, 1))
     out_json = os.path.join(ctx.work, "pytorch.json")
-    cmd = [ctx.args.python, os.path.abspath(__file__), "_pytorch_side", "--bench", bench, "--model", ctx.model,
-           "--device", "cpu" if ctx.cpu else "cuda", "--dtype", ctx.dtype, "--batch", str(batch), "--seq", str(seq),
-           "--target-layer-ids", ",".join(map(str, d["target_layer_ids"])),
-           "--draft-layers", str(d["draft_layers"]), "--block-size", str(d["block_size"]),
-           "--num-anchors", str(d["num_anchors"]), "--mask-token-id", str(d["mask_token_id"]),
-           "--lr", repr(d.get("lr", 6e-4)), "--weight-decay", repr(d.get("weight_decay", 0.01)),
-           "--clip", repr(d.get("clip", 1.0)), "--iters", str(3 if ctx.cpu else 5), "--json", out_json]
-    if d.get("gamma") is not None:
-        cmd += ["--gamma", repr(d["gamma"])]
-    log(f"pytorch: {batch} x {seq} tokens, {d['draft_layers']} drafter layers, {d['num_anchors']} anchors "
-        f"({os.path.basename(ctx.args.python)})")
     env = dict(os.environ)
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_NO_ADVISORY_WARNINGS="1", TOKENIZERS_PARALLELISM="false")
     if ctx.cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=ctx.remaining(ctx.args.torch_timeout),
-                             env=env)
-    except subprocess.TimeoutExpired:
-        raise StepFailed(f"the PyTorch side did not finish within {ctx.args.torch_timeout} s") from None
-    if out.returncode != 0:
-        raise StepFailed(f"the PyTorch side exited {out.returncode}: {out.stderr.strip()[-1500:]}")
+    requested, halvings = batch, []
+    # The reference must give a number: a batch that runs out of memory is halved and tried again.
+    while True:
+        cmd = [ctx.args.python, os.path.abspath(__file__), "_pytorch_side", "--bench", bench, "--model", ctx.model,
+               "--device", "cpu" if ctx.cpu else "cuda", "--dtype", ctx.dtype, "--batch", str(batch),
+               "--seq", str(seq), "--target-layer-ids", ",".join(map(str, d["target_layer_ids"])),
+               "--draft-layers", str(d["draft_layers"]), "--block-size", str(d["block_size"]),
+               "--num-anchors", str(d["num_anchors"]), "--mask-token-id", str(d["mask_token_id"]),
+               "--lr", repr(d.get("lr", 6e-4)), "--weight-decay", repr(d.get("weight_decay", 0.01)),
+               "--clip", repr(d.get("clip", 1.0)), "--iters", str(3 if ctx.cpu else 5), "--json", out_json]
+        if d.get("gamma") is not None:
+            cmd += ["--gamma", repr(d["gamma"])]
+        if d.get("anchor_chunk"):
+            cmd += ["--anchor-chunk", str(d["anchor_chunk"])]
+        log(f"pytorch: {batch} x {seq} tokens, {d['draft_layers']} drafter layers, {d['num_anchors']} anchors "
+            f"({os.path.basename(ctx.args.python)})")
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True,
+                                 timeout=ctx.remaining(ctx.args.torch_timeout), env=env)
+        except subprocess.TimeoutExpired:
+            raise StepFailed(f"the PyTorch side did not finish within {ctx.args.torch_timeout} s",
+                             oom_halvings=halvings) from None
+        oom = out.returncode != 0 and ("OutOfMemoryError" in out.stderr or "out of memory" in out.stderr)
+        if oom and batch > 1:
+            halvings.append(batch)
+            batch //= 2
+            continue
+        if out.returncode != 0:
+            raise StepFailed(f"the PyTorch side exited {out.returncode}: {out.stderr.strip()[-1500:]}",
+                             oom_halvings=halvings)
+        break
     with open(out_json) as f:
         res = json.load(f)
     res["settings_from"] = source
+    res["batch_requested"] = requested
+    res["oom_halvings"] = halvings
     rust = (ctx.results.get("dflash") or {}).get("tokens_per_s")
     res["rust_tokens_per_s"] = rust
     res["ratio"] = round(rust / res["tokens_per_s"], 3) if rust and res.get("tokens_per_s") else None
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# One drafter training step at the seeds' shape, on both engines.
+
+QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
+            "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0, "tie_word_embeddings": False}
+TINY = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 600, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False}
+# Dense bf16 tensor-core peaks (FLOP/s) by the GPU's name, for the MFU.
+BF16_PEAKS = [("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L40S", 362e12)]
+
+
+def seeds_request(ctx):
+    """The seeds' drafter step: Qwen3-8B widths, 5 layers, 6 x 8,192 tokens (budget 49,152), 512
+    anchors of 16; --cpu: a tiny one."""
+    if ctx.cpu:
+        return {"target": TINY, "draft_layers": 1, "target_layer_ids": [0, 2], "block_size": 8,
+                "num_anchors": 16, "sequences": 2, "seq_len": 256, "prompt": 32, "dtype": "f32",
+                "gamma": 7.0, "warmup": 1, "steps": 2, "seed": 0}
+    return {"target": QWEN3_8B, "draft_layers": 5, "target_layer_ids": [1, 9, 17, 25, 33], "block_size": 16,
+            "num_anchors": 512, "sequences": 6, "seq_len": 8192, "prompt": 1024, "dtype": "bf16",
+            "gamma": 7.0, "warmup": 1, "steps": ctx.args.seeds_steps, "seed": 0}
+
+
+def step_flops(req):
+    """Model FLOPs of one drafter step: the context's projections per token, the blocks' layers
+    and attention over the context they see, the frozen lm_head; backward twice the forward,
+    once for the lm_head (no weight gradient)."""
+    t = req["target"]
+    h, inter, vocab = t["hidden_size"], t["intermediate_size"], t["vocab_size"]
+    hd = t.get("head_dim") or h // t["num_attention_heads"]
+    hq, kv = t["num_attention_heads"] * hd, t["num_key_value_heads"] * hd
+    layers, b, n = req["draft_layers"], req["block_size"], len(req["target_layer_ids"])
+    tokens = req["sequences"] * req["seq_len"]
+    positions = req["seq_len"] - 1 - req["prompt"]
+    blocks = req["sequences"] * min(req["num_anchors"], positions) * b
+    keys = (req["prompt"] + req["seq_len"]) / 2 + b  # the mean context an anchor's block sees
+    ctx_fwd = tokens * (2 * n * h * h + layers * 2 * 2 * h * kv)
+    block_fwd = blocks * layers * (2 * h * hq + 2 * 2 * h * kv + 2 * hq * h + 3 * 2 * h * inter + 2 * 2 * hq * keys)
+    head_fwd = blocks * 2 * h * vocab
+    return 3 * (ctx_fwd + block_fwd) + 2 * head_fwd
+
+
+def planned_chunk(ctx, engine, req):
+    """The anchor chunk `launch --anchor-chunk auto` picks for this shape and engine (from a dry run)."""
+    model = os.path.join(ctx.work, "seeds-shape")
+    os.makedirs(model, exist_ok=True)
+    with open(os.path.join(model, "config.json"), "w") as f:
+        json.dump(req["target"], f)
+    gpus = "cpu:2" if ctx.cpu else ctx.pair.split(",")[0] + "," + ctx.pair.split(",")[0]
+    cmd = [ctx.orch, "launch", "--dry-run", "--json", "--stage", "dflash", "--synthetic", "10",
+           "--target-model", model, "--run-dir", os.path.join(ctx.work, "seeds-dry-run"), "--gpus", gpus,
+           "--topology", "1:1", "--gpu-memory", "141", "--max-len", str(req["seq_len"]),
+           "--token-budget", str(req["sequences"] * req["seq_len"]), "--draft-layers", str(req["draft_layers"]),
+           "--num-anchors", str(req["num_anchors"]), "--block-size", str(req["block_size"]),
+           "--target-layer-ids", ",".join(map(str, req["target_layer_ids"])), "--dtype", req["dtype"],
+           "--engine", engine, "--python", ctx.args.python]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=ctx.env)
+        return (json.loads(out.stdout).get("plan") or {}).get("anchor_chunk")
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+
+
+def package_dir(ctx):
+    for d in (os.path.join(os.path.dirname(ctx.orch), "python"), os.path.join(HERE, "..", "python"),
+              os.path.join(os.path.dirname(ctx.orch), "..", "..", "python")):
+        if os.path.exists(os.path.join(d, "dflash_orch", "__init__.py")):
+            return os.path.abspath(d)
+    return None
+
+
+def step_drafter_step(ctx):
+    req = seeds_request(ctx)
+    flops = step_flops(req)
+    gpu = None if ctx.cpu else ctx.pair.split(",")[0]
+    name = None
+    if gpu is not None:
+        smi = nvidia_smi() or []
+        name = smi[0].get("name") if smi and isinstance(smi[0], dict) else None
+    peak = next((p for key, p in BF16_PEAKS if name and key in name), None)
+    res = {"shape": {k: v for k, v in req.items() if k != "target"}, "target_widths": req["target"],
+           "tokens_per_step": req["sequences"] * req["seq_len"], "model_flops_per_step": flops, "gpu": name,
+           "bf16_peak_flops": peak}
+    pkg = package_dir(ctx)
+    failures = []
+    for engine in ("candle", "torch"):
+        one = dict(req, anchor_chunk=planned_chunk(ctx, engine, req))
+        env = dict(ctx.worker_env if engine == "candle" else ctx.env)
+        env["CUDA_VISIBLE_DEVICES"] = gpu or ""
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        if engine == "candle":
+            cmd = [ctx.worker, "--drafter-bench", "-"]
+        else:
+            cmd = [ctx.args.python, "-m", "dflash_orch.bench_step", "-"]
+            if pkg:
+                env["PYTHONPATH"] = pkg + os.pathsep + env.get("PYTHONPATH", "")
+        log(f"drafter_step: {engine}, {res['tokens_per_step']} tokens, anchor chunk {one['anchor_chunk']}")
+        with GpuMemoryPoller() if not ctx.cpu else _Null() as poller:
+            try:
+                out = subprocess.run(cmd, input=json.dumps(one), capture_output=True, text=True,
+                                     timeout=ctx.remaining(ctx.args.step_timeout), env=env)
+            except subprocess.TimeoutExpired:
+                res[engine] = {"error": f"did not finish within {ctx.args.step_timeout:g} s"}
+                failures.append(engine)
+                continue
+        if out.returncode != 0:
+            res[engine] = {"error": f"exited {out.returncode}: {out.stderr.strip()[-800:]}",
+                           "anchor_chunk": one["anchor_chunk"]}
+            failures.append(engine)
+            continue
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        r["anchor_chunk"] = one["anchor_chunk"]
+        r["peak_gpu_memory_mib_nvidia_smi"] = max(poller.peak.values(), default=None) if not ctx.cpu else None
+        r["achieved_flops"] = flops / r["median_s"]
+        r["mfu"] = round(r["achieved_flops"] / peak, 4) if peak else None
+        res[engine] = r
+    if res.get("candle", {}).get("median_s") and res.get("torch", {}).get("median_s"):
+        res["torch_over_candle"] = round(res["candle"]["median_s"] / res["torch"]["median_s"], 3)
+    if failures:
+        raise StepFailed(f"the drafter step failed on {', '.join(failures)}", **res)
     return res
 
 
@@ -721,6 +959,7 @@ def pytorch_side(argv):
     ap.add_argument("--num-anchors", type=int, required=True)
     ap.add_argument("--mask-token-id", type=int, required=True)
     ap.add_argument("--gamma", type=float, default=None)
+    ap.add_argument("--anchor-chunk", type=int, default=None)
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--weight-decay", type=float, default=0.01)
     ap.add_argument("--clip", type=float, default=1.0)
@@ -730,16 +969,17 @@ def pytorch_side(argv):
     ap.add_argument("--json", required=True)
     a = ap.parse_args(argv)
 
-    import contextlib
     import random
 
     import torch
-    import torch.nn.functional as F
     import transformers
     from transformers import AutoModelForCausalLM
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(a.bench)))
-    import bench_dflash as bd  # the drafter port: loss_parts, param_names
+    import bench_dflash as bd  # wl_rope_theta, engine_package
+
+    bd.engine_package()
+    from dflash_orch.drafter import TorchDrafter
 
     transformers.utils.logging.set_verbosity_error()
     device = torch.device(a.device)
@@ -749,18 +989,6 @@ def pytorch_side(argv):
     bf16 = a.dtype == "bf16"
     torch.manual_seed(a.seed)
     rng = random.Random(a.seed)
-    # bench_dflash.py builds its index and mask tensors without a device: they follow this default.
-    torch.set_default_device(device)
-    if bf16:
-        # Mixed precision for the drafter: float32 weights, bf16 matmuls (autocast), norms in float32
-        # (the port's norms take float32 weights while autocast hands them bf16 activations).
-        plain_rms_norm = F.rms_norm
-
-        def rms_norm(x, shape, weight=None, eps=None):
-            return plain_rms_norm(x.float(), shape, None if weight is None else weight.float(), eps)
-
-        F.rms_norm = rms_norm
-
     def sync():
         if cuda:
             torch.cuda.synchronize()
@@ -779,7 +1007,7 @@ def pytorch_side(argv):
     b, s = a.batch, a.seq
     prompt = max(1, s // 8)
     vocab = tc.vocab_size
-    tokens = torch.randint(0, vocab - 1, (b, s))
+    tokens = torch.randint(0, vocab - 1, (b, s)).to(device)
     real = b * s
 
     def target_forward():
@@ -797,65 +1025,34 @@ def pytorch_side(argv):
         if i >= a.warmup:
             t_times.append(time.perf_counter() - t0)
 
+    # The drafter: the torch engine's own (python/dflash_orch/drafter.py), what a `--engine torch`
+    # drafter worker runs, fed this forward's features; the target's embedding and lm_head.
     sd = model.state_dict()
     embedding = sd["model.embed_tokens.weight"].detach()
     lm_head = (sd["lm_head.weight"] if "lm_head.weight" in sd else embedding).detach()
     head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-    cfg = {"hidden": tc.hidden_size, "intermediate": tc.intermediate_size, "layers": a.draft_layers,
-           "heads": tc.num_attention_heads, "kv_heads": tc.num_key_value_heads, "head_dim": head_dim,
-           "rms_eps": tc.rms_norm_eps, "rope_theta": bd.wl_rope_theta(a.model),
-           "block_size": a.block_size, "mask_token_id": a.mask_token_id}
-    h, inter, heads, kv = cfg["hidden"], cfg["intermediate"], cfg["heads"], cfg["kv_heads"]
-    shapes = {"fc.weight": (h, len(ids_layers) * h), "hidden_norm.weight": (h,), "norm.weight": (h,)}
-    for i in range(a.draft_layers):
-        p = f"layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (heads * head_dim, h), p + "self_attn.k_proj.weight": (kv * head_dim, h),
-            p + "self_attn.v_proj.weight": (kv * head_dim, h), p + "self_attn.o_proj.weight": (h, heads * head_dim),
-            p + "self_attn.q_norm.weight": (head_dim,), p + "self_attn.k_norm.weight": (head_dim,),
-            p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter)})
-    names = bd.param_names(a.draft_layers)
-    assert set(names) == set(shapes), sorted(set(names) ^ set(shapes))
-    P = {n: torch.nn.Parameter(torch.ones(shapes[n]) if len(shapes[n]) == 1 else torch.randn(shapes[n]) * 0.02)
-         for n in names}
-    params = [P[n] for n in names]
-    opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=a.weight_decay, **({"fused": True} if cuda else {}))
-    loss_mask = [0] * prompt + [1] * (s - prompt)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-
-    def block_weight(anchors):
-        """The loss weight of a sequence's blocks, as loss_parts counts it (known before the forward)."""
-        total = 0.0
-        for anchor in anchors:
-            for k in range(1, a.block_size):
-                t = anchor + k
-                if t < s and loss_mask[t]:
-                    total += 1.0 if a.gamma is None else math.exp(-(k - 1.0) / a.gamma)
-        return total
-
+    spec = {"shape": {"hidden": tc.hidden_size, "intermediate": tc.intermediate_size, "layers": a.draft_layers,
+                      "heads": tc.num_attention_heads, "kv_heads": tc.num_key_value_heads, "head_dim": head_dim,
+                      "rms_eps": tc.rms_norm_eps, "rope_theta": bd.wl_rope_theta(a.model),
+                      "vocab": tc.vocab_size},
+            "block_size": a.block_size, "mask_token_id": a.mask_token_id, "states": len(ids_layers),
+            "gamma": a.gamma, "distill": None, "anchor_chunk": a.anchor_chunk, "weight_decay": a.weight_decay,
+            "dtype": a.dtype, "feature_dtype": a.dtype}
+    drafter = TorchDrafter(spec, heads=(embedding.to(dtype), lm_head.to(dtype)))
+    drafter.initialise(a.seed)
+    flat = features.reshape(b * s, -1)
+    flat_tokens = tokens.reshape(-1).tolist()
+    flat_mask = ([0] * prompt + [1] * (s - prompt)) * b
     d_times, losses = [], []
-    tokens_rows = tokens.tolist()
     for i in range(a.warmup + a.iters):
         positions = range(prompt, s - 1)
-        anchors = [sorted(rng.sample(positions, min(a.num_anchors, len(positions)))) for _ in range(b)]
-        weight = sum(block_weight(x) for x in anchors)
+        sequences = [(row * s, s, sorted(rng.sample(positions, min(a.num_anchors, len(positions)))))
+                     for row in range(b)]
         sync()
         t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        # The mean over the batch, back-propagated one sequence at a time (the gradient is the same;
-        # only one sequence's logits over the whole vocabulary are alive at once).
-        total = torch.zeros((), dtype=torch.float32)
-        for row in range(b):
-            with autocast:
-                part, _w, _acc = bd.loss_parts(P, cfg, features[row], tokens_rows[row], loss_mask, anchors[row],
-                                               embedding, lm_head, a.gamma, "sdpa")
-            (part / weight).backward()
-            total += part.detach().float()
-        torch.nn.utils.clip_grad_norm_(params, a.clip)
-        opt.step()
-        losses.append(float(total) / weight)
+        out = drafter.micro_batch(flat, flat_tokens, flat_mask, sequences, 1)
+        drafter.step(a.lr, a.clip, False)
+        losses.append(out["loss"])
         sync()
         if i >= a.warmup:
             d_times.append(time.perf_counter() - t0)
@@ -864,7 +1061,8 @@ def pytorch_side(argv):
     result = {
         "torch": torch.__version__, "transformers": transformers.__version__, "device": str(device),
         "gpu": torch.cuda.get_device_name(device) if cuda else None,
-        "precision": "target bf16; drafter float32 weights with bf16 autocast" if bf16 else "float32",
+        "precision": "bf16 (the drafter's f32 masters, bf16 compute)" if bf16 else "float32",
+        "drafter_engine": "dflash_orch.drafter (the torch engine's drafter)",
         "batch": b, "seq": s, "prompt_without_loss": prompt, "tokens_per_batch": real,
         "drafter": {"layers": a.draft_layers, "block_size": a.block_size, "num_anchors": a.num_anchors,
                     "target_layer_ids": ids_layers},
@@ -891,7 +1089,9 @@ class Context:
         self.pair = args.gpus or ("cpu:2" if args.cpu else "0,0")
         self.dtype = "f32" if args.cpu else "bf16"
         self.model = None
-        self.reference = None
+        # The uninterrupted dflash run of each engine (None: the launch default), for the steps after.
+        self.references = {}
+        self.build = None
         self.results = {}
         self.deadline = T0 + args.budget
 
@@ -932,8 +1132,14 @@ def main():
                     help="largest relative loss difference per step after the crash [default: 0.02]")
     ap.add_argument("--run-timeout", type=float, default=180, help="seconds one DFlash run may take [default: 180]")
     ap.add_argument("--torch-timeout", type=float, default=120, help="seconds the PyTorch side may take [default: 120]")
-    ap.add_argument("--budget", type=float, default=470, help="seconds for the whole check [default: 470]")
-    ap.add_argument("--skip", action="append", default=[], choices=["nvml", "serve", "crash_resume", "pytorch"],
+    ap.add_argument("--budget", type=float, default=780, help="seconds for the whole check [default: 780]")
+    ap.add_argument("--step-timeout", type=float, default=240,
+                    help="seconds each engine's drafter step at the seeds' shape may take [default: 240]")
+    ap.add_argument("--seeds-steps", type=int, default=2,
+                    help="timed drafter steps at the seeds' shape, after one untimed [default: 2]")
+    ap.add_argument("--skip", action="append", default=[],
+                    choices=["environment", "nvml", "serve", "crash_resume", "pytorch", "torch_dflash",
+                             "torch_crash_resume", "drafter_step"],
                     help="leave a step out (repeatable)")
     args = ap.parse_args()
     args.samples = args.samples or (192 if args.cpu else 256)
@@ -946,7 +1152,7 @@ def main():
             args.launch_arg += ["--draft-layers", "1"]
         if "--num-anchors" not in have:
             args.launch_arg += ["--num-anchors", "16"]
-    for name in ("samples", "max_len", "token_budget", "save_every"):
+    for name in ("samples", "max_len", "token_budget", "save_every", "seeds_steps"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
 
@@ -958,7 +1164,8 @@ def main():
         return 2
     ctx.work = os.path.abspath(args.work) if args.work else tempfile.mkdtemp(prefix="gpu-check.")
     os.makedirs(ctx.work, exist_ok=True)
-    ctx.env = child_env(args, ctx.worker)
+    ctx.worker_env = child_env(args, ctx.worker, libraries=True)
+    ctx.env = child_env(args, ctx.worker, libraries=args.cpu)
     ctx.dtype_flags = "--dtype" in help_text(ctx.orch, "launch")
     log(f"{'CPU' if args.cpu else 'GPU'} mode; binaries {ctx.orch}, {ctx.worker}; work {ctx.work}")
 
@@ -967,10 +1174,13 @@ def main():
     build = os.path.join(os.path.dirname(ctx.orch), "BUILD.json")
     if os.path.exists(build):
         with open(build) as f:
-            summary["build"] = json.load(f)
-    steps = [("capabilities", step_capabilities), ("copy", step_copy), ("nvml", step_nvml), ("model", step_model),
-             ("dflash", step_dflash), ("serve", step_serve), ("crash_resume", step_crash_resume),
-             ("pytorch", step_pytorch)]
+            summary["build"] = ctx.build = json.load(f)
+    steps = [("environment", step_environment), ("capabilities", step_capabilities), ("copy", step_copy),
+             ("nvml", step_nvml), ("model", step_model), ("dflash", step_dflash), ("serve", step_serve),
+             ("crash_resume", step_crash_resume), ("pytorch", step_pytorch),
+             ("torch_dflash", lambda c: step_dflash(c, "torch")),
+             ("torch_crash_resume", lambda c: step_crash_resume(c, "torch")),
+             ("drafter_step", step_drafter_step)]
     for name, fn in steps:
         if name in args.skip:
             ctx.results[name] = {"ok": True, "skipped": "--skip"}
@@ -999,6 +1209,11 @@ def main():
         "peak_gpu_memory_mib": d.get("peak_gpu_memory_mib"),
         "feature_copy_gb_s": ctx.results.get("copy", {}).get("copies"),
         "crash_resume_max_rel_deviation": ctx.results.get("crash_resume", {}).get("max_rel_deviation"),
+        "torch_tokens_per_s": ctx.results.get("torch_dflash", {}).get("tokens_per_s"),
+        "torch_crash_resume_max_rel_deviation":
+            ctx.results.get("torch_crash_resume", {}).get("max_rel_deviation"),
+        "seeds_drafter_step": {e: {k: (ctx.results.get("drafter_step", {}).get(e) or {}).get(k)
+                                   for k in ("tokens_per_s", "mfu", "anchor_chunk")} for e in ("candle", "torch")},
         "served": ctx.results.get("serve", {}).get("eval"),
     }
     summary["elapsed_s"] = round(time.monotonic() - T0, 1)

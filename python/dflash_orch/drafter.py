@@ -128,7 +128,9 @@ def load_heads(model_dir, dtype, device):
 class TorchDrafter:
     """The drafter's weights (f32 masters), AdamW's moments, and the training step."""
 
-    def __init__(self, req):
+    def __init__(self, req, heads=None):
+        """The drafter `req` describes; the target's embedding and `lm_head` from `req["model"]`,
+        or `heads` (a pair of `[vocab, hidden]` tensors on the device) where given."""
         device = device_for(os.environ.get("CUDA_VISIBLE_DEVICES"))
         self.device = device
         self.compute = dtype_of(req["dtype"])
@@ -154,7 +156,7 @@ class TorchDrafter:
         self.loss_rows = max(1, int(os.environ.get(LOSS_ROWS_ENV, "") or DEFAULT_LOSS_ROWS))
         self.weight_decay = float(req["weight_decay"])
         self.names = list(req.get("names") or param_names(self.layers))
-        self.embedding, self.lm_head = load_heads(req["model"], self.compute, device)
+        self.embedding, self.lm_head = heads or load_heads(req["model"], self.compute, device)
         if tuple(self.embedding.shape) != (self.vocab, self.hidden):
             raise ValueError(f"the target's embedding is {tuple(self.embedding.shape)}, the "
                              f"drafter expects {(self.vocab, self.hidden)}")
@@ -235,6 +237,18 @@ class TorchDrafter:
         return logits.argmax(-1).tolist()
 
     # -- state ----------------------------------------------------------------------------
+
+    def initialise(self, seed):
+        """Fresh weights without a checkpoint (the drafter-step bench): norms at one, matrices
+        N(0, 0.02) from `seed`; zero moments."""
+        g = torch.Generator().manual_seed(seed)
+        self.P, self.m, self.v = {}, {}, {}
+        for n, shape in self.shapes().items():
+            w = torch.ones(shape) if len(shape) == 1 else torch.randn(shape, generator=g) * 0.02
+            self.P[n] = torch.nn.Parameter(w.to(self.device))
+            self.m[n] = torch.zeros(shape, device=self.device)
+            self.v[n] = torch.zeros(shape, device=self.device)
+        self.t = 0
 
     def load(self, directory, adam_t):
         """Weights from `directory/model.safetensors`, moments from `optimizer.safetensors`."""
@@ -373,7 +387,7 @@ class TorchDrafter:
         with torch.no_grad():
             counted = (weights > 0).view(a, b)
             hit = ((torch.cat(predicted) == targets).view(a, b) & counted)
-        return total, float(weights.sum()), hit.sum(0), counted.sum(0)
+        return total, float(weights.double().sum()), hit.sum(0), counted.sum(0)
 
     def _rows_loss(self, x, targets, weights, taught):
         """The weighted loss sum of some block positions (`x`: their final hidden states), and
@@ -398,7 +412,8 @@ class TorchDrafter:
         weight = 0.0
         for start, length, anchors in sequences:
             w = block_weights(loss_mask[start:start + length], anchors, self.block, self.gamma)
-            weight += float(w.sum())
+            # In f64, as the stage sums them: an f32 sum of 8,192 weights drifts by 1e-5.
+            weight += float(w.double().sum())
         out = {"loss": 0.0, "weight": weight, "anchors": 0,
                "correct": [0] * self.block, "counted": [0] * self.block}
         if weight <= 0:

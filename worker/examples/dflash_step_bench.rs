@@ -20,11 +20,12 @@ use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
 use clap::Parser;
+use dflash_worker::bench::{median, train_step};
 use dflash_worker::dflash::sample_anchors;
 use dflash_worker::model::drafter::{Drafter, DrafterConfig, Heads, MicroBatch, Objective};
 use dflash_worker::model::qwen3::{self, Qwen3};
 use dflash_worker::rng::SplitMix64;
-use dflash_worker::train::{Accumulator, AdamW, AdamWConfig, Schedule, clip_grad_norm};
+use dflash_worker::train::{Accumulator, AdamW, AdamWConfig, Schedule};
 use serde_json::json;
 
 /// Target forward and drafter training step throughput on the CPU.
@@ -81,16 +82,6 @@ struct Args {
     /// Also write the drafter's initial weights here (safetensors, its parameter names).
     #[arg(long, value_name = "PATH")]
     dump_init: Option<PathBuf>,
-}
-
-fn median(values: &[f64]) -> f64 {
-    let mut v = values.to_vec();
-    v.sort_by(f64::total_cmp);
-    match v.len() {
-        0 => f64::NAN,
-        n if n % 2 == 1 => v[n / 2],
-        n => 0.5 * (v[n / 2 - 1] + v[n / 2]),
-    }
 }
 
 fn summary(times: &[f64], tokens: usize) -> serde_json::Value {
@@ -234,7 +225,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             step_anchors.push(picked);
         }
         // The drafter stage's own training step (worker/src/dflash.rs).
-        let (grads, batch) = drafter.micro_batch(
+        let lr = schedule.lr(step as u64);
+        let (loss, norm) = train_step(
+            &drafter,
+            &mut opt,
+            &mut accum,
             MicroBatch {
                 features: &all,
                 tokens: &tokens,
@@ -250,19 +245,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 distill: None,
             },
             args.anchor_chunk,
-            1,
+            (args.clip, lr),
         )?;
-        let lr = schedule.lr(step as u64);
-        let (mut loss, mut norm) = (f64::NAN, 0.0);
-        if let Some(grads) = grads {
-            loss = batch.loss;
-            accum.sum(grads)?;
-            accum.micro += 1;
-            if let Some(mut grads) = accum.take() {
-                norm = clip_grad_norm(&mut grads, args.clip)?;
-                opt.step(&grads, lr)?;
-            }
-        }
         let elapsed = started.elapsed().as_secs_f64();
         if step >= args.warmup {
             train_times.push(elapsed);

@@ -21,7 +21,7 @@ use dflash_common::wire::{BatchId, Group, SlotRef, TrainMetrics, Update};
 
 use crate::checkpoint::{self, TrainingState};
 use crate::model::drafter::{
-    Drafter, DrafterConfig, Heads, MicroBatch, MicroBatchLoss, Objective, block_weights,
+    Drafter, DrafterConfig, Heads, MicroBatch, MicroBatchLoss, Objective, block_weights, weight_sum,
 };
 use crate::model::qwen3::{self, Qwen3};
 use crate::rng::SplitMix64;
@@ -784,7 +784,7 @@ impl Stage for DrafterStage {
                     self.settings.block_size,
                     self.settings.gamma,
                 );
-                weight += f64::from(weights.iter().sum::<f32>());
+                weight += weight_sum(&weights);
                 sequences.push((range, picked));
             }
         }

@@ -10,6 +10,7 @@
 //!   heartbeats continue (without it, SIGUSR1 keeps its default action);
 //! - `DFLASH_WORKER_HANG_EVERY_JOB=1`: every Forward and Train job hangs that way.
 
+pub mod bench;
 pub mod checkpoint;
 pub mod dflash;
 pub mod faults;
@@ -76,6 +77,13 @@ pub struct WorkerArgs {
     /// its feature slot, and read back as the drafter reads it; prints GB/s per dtype as JSON.
     #[arg(long, value_name = "MIB", value_parser = clap::value_parser!(u32).range(1..=65_536))]
     pub copy_bench: Option<u32>,
+
+    /// Time training steps of the candle drafter on this worker's device (the GPU of
+    /// CUDA_VISIBLE_DEVICES, else the CPU) at the shape REQUEST gives (a JSON file, `-` for
+    /// stdin: the target's widths, drafter layers, anchors, sequences; no model is read); prints
+    /// the timings as JSON. The GPU check runs it at the seeds' shape.
+    #[arg(long, value_name = "REQUEST", conflicts_with_all = ["eval", "generate", "copy_bench"])]
+    pub drafter_bench: Option<PathBuf>,
 
     /// Evaluate a drafter by speculative decoding (written by `dflash-orch eval`): decode the
     /// request's prompts on this worker's device and print one JSON line per prompt. `-`
@@ -183,6 +191,19 @@ pub fn run(args: WorkerArgs) -> Result<(), WorkerError> {
         let device = dflash::device().map_err(WorkerError::Invalid)?;
         let report =
             dflash::copy_bench(&device, u64::from(mib) << 20).map_err(WorkerError::Invalid)?;
+        println!("{report}");
+        return Ok(());
+    }
+    if let Some(request) = &args.drafter_bench {
+        let text = if request.as_os_str() == "-" {
+            std::io::read_to_string(std::io::stdin())
+        } else {
+            std::fs::read_to_string(request)
+        }
+        .map_err(|e| WorkerError::Invalid(format!("{}: {e}", request.display())))?;
+        let bench = bench::DrafterBench::parse(&text).map_err(WorkerError::Invalid)?;
+        let device = dflash::device().map_err(WorkerError::Invalid)?;
+        let report = bench::drafter_bench(&bench, &device).map_err(WorkerError::Stage)?;
         println!("{report}");
         return Ok(());
     }

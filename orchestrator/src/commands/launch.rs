@@ -569,7 +569,7 @@ fn dry_run_text(d: &runtime::dry_run::DryRun) -> String {
         let cpu = d.workers.iter().any(|w| w.contains("cpu:"));
         let _ = writeln!(
             out,
-            "{:<8} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}{}",
+            "{:<16} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}{}",
             "worker",
             "weights",
             "activations",
@@ -589,8 +589,8 @@ fn dry_run_text(d: &runtime::dry_run::DryRun) -> String {
         {
             let _ = writeln!(
                 out,
-                "{:<8} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}{}",
-                w.role,
+                "{:<16} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}{}",
+                format!("{} ({})", w.role, w.engine),
                 gib(w.weights),
                 gib(w.activations),
                 gib(w.attention),

@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 
 use super::gpu::{GpuOwner, GpuSample, GpuSource, Watch};
 
-/// A worker process's CPU and memory.
+/// A worker process's CPU and memory, its engine's child processes included (a torch worker's
+/// Python side): a worker is what it and its children use.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct ProcessSample {
     pub worker: u32,
@@ -16,10 +17,53 @@ pub struct ProcessSample {
     /// Percent of one core over the last interval.
     pub cpu_pct: f64,
     pub rss_bytes: u64,
-    /// The process's peak resident memory so far (the kernel's `VmHWM`); absent where it could not
-    /// be read (the process just ended, or no /proc).
+    /// The process's peak resident memory so far (the kernel's `VmHWM`), plus each live child's;
+    /// absent where it could not be read (the process just ended, or no /proc).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub peak_rss_bytes: Option<u64>,
+    /// The child processes counted in (the engine's), by pid.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub children: Vec<u32>,
+}
+
+/// The parent pid in a `/proc/<pid>/stat` text (the field after the state, which follows the
+/// command name in parentheses; the name may itself hold parentheses and spaces).
+pub fn parse_parent(stat: &str) -> Option<u32> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let mut fields = rest.split_whitespace();
+    fields.next()?;
+    fields.next()?.parse().ok()
+}
+
+/// The processes whose parent is one of `parents`, by parent, from a scan of /proc (the kernel's
+/// per-task `children` lists are not everywhere).
+pub fn children_of(parents: &[u32]) -> BTreeMap<u32, Vec<u32>> {
+    let mut found: BTreeMap<u32, Vec<u32>> = BTreeMap::new();
+    if parents.is_empty() {
+        return found;
+    }
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return found;
+    };
+    for entry in entries.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        if let Some(parent) = parse_parent(&stat).filter(|p| parents.contains(p)) {
+            found.entry(parent).or_default().push(pid);
+        }
+    }
+    for pids in found.values_mut() {
+        pids.sort_unstable();
+    }
+    found
 }
 
 /// The peak resident memory (`VmHWM`) in a `/proc/<pid>/status` text, in bytes.
@@ -122,9 +166,12 @@ impl Monitor {
                 .extend(self.watch.update(&samples, &xids, owner));
         }
         if let Some(system) = self.system.as_mut() {
-            let pids: Vec<sysinfo::Pid> = workers
+            let parents: Vec<u32> = workers.iter().map(|&(_, _, pid)| pid).collect();
+            let children = children_of(&parents);
+            let pids: Vec<sysinfo::Pid> = parents
                 .iter()
-                .map(|&(_, _, pid)| sysinfo::Pid::from_u32(pid))
+                .chain(children.values().flatten())
+                .map(|&pid| sysinfo::Pid::from_u32(pid))
                 .collect();
             system.refresh_processes_specifics(
                 sysinfo::ProcessesToUpdate::Some(&pids),
@@ -137,32 +184,48 @@ impl Monitor {
             let now = Instant::now();
             let mut cpu_now = BTreeMap::new();
             for &(worker, role, pid) in workers {
-                if let Some(p) = system.process(sysinfo::Pid::from_u32(pid)) {
+                if system.process(sysinfo::Pid::from_u32(pid)).is_none() {
+                    continue;
+                }
+                let kids = children.get(&pid).cloned().unwrap_or_default();
+                let mut sample = ProcessSample {
+                    worker,
+                    role,
+                    pid,
+                    cpu_pct: 0.0,
+                    rss_bytes: 0,
+                    peak_rss_bytes: Some(0),
+                    children: Vec::new(),
+                };
+                for &one in std::iter::once(&pid).chain(&kids) {
+                    let Some(p) = system.process(sysinfo::Pid::from_u32(one)) else {
+                        continue;
+                    };
                     // CPU time over wall time since the last tick (since the start at first).
                     let cpu_ms = p.accumulated_cpu_time();
-                    cpu_now.insert(pid, (now, cpu_ms));
-                    let (wall_ms, used_ms) = match self.cpu_before.get(&pid) {
+                    cpu_now.insert(one, (now, cpu_ms));
+                    let (wall_ms, used_ms) = match self.cpu_before.get(&one) {
                         Some(&(then, before)) => (
                             now.duration_since(then).as_secs_f64() * 1000.0,
                             cpu_ms.saturating_sub(before) as f64,
                         ),
                         None => (p.run_time() as f64 * 1000.0, cpu_ms as f64),
                     };
-                    let sample = ProcessSample {
-                        worker,
-                        role,
-                        pid,
-                        cpu_pct: if wall_ms > 0.0 {
-                            100.0 * used_ms / wall_ms
-                        } else {
-                            0.0
-                        },
-                        rss_bytes: p.memory(),
-                        peak_rss_bytes: peak_rss(pid),
-                    };
-                    self.processes.insert(worker, sample.clone());
-                    tick.processes.push(sample);
+                    if wall_ms > 0.0 {
+                        sample.cpu_pct += 100.0 * used_ms / wall_ms;
+                    }
+                    sample.rss_bytes += p.memory();
+                    // A child that has just ended leaves its parent's figure as it was.
+                    let peak = peak_rss(one);
+                    if one == pid {
+                        sample.peak_rss_bytes = peak;
+                    } else if let Some(peak) = peak {
+                        sample.peak_rss_bytes = sample.peak_rss_bytes.map(|p| p + peak);
+                        sample.children.push(one);
+                    }
                 }
+                self.processes.insert(worker, sample.clone());
+                tick.processes.push(sample);
             }
             self.cpu_before = cpu_now;
         }
@@ -327,11 +390,49 @@ mod tests {
             cpu_pct: 0.0,
             rss_bytes: 5,
             peak_rss_bytes: None,
+            children: Vec::new(),
         };
         let line = serde_json::to_value(&sample).unwrap();
         assert!(line.get("peak_rss_bytes").is_none(), "{line}");
         sample.peak_rss_bytes = Some(7);
         assert_eq!(serde_json::to_value(&sample).unwrap()["peak_rss_bytes"], 7);
+    }
+
+    /// A worker's figures include its children (a torch worker's Python side): a live child is
+    /// named, its memory counted in; a stat line names its parent however odd the command name.
+    #[test]
+    fn a_worker_counts_its_child_processes() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let me = std::process::id();
+        let mut m = Monitor::new(Err("no GPUs".into()), Duration::from_millis(10));
+        let t = m.tick(&[], &[(0, "drafter", me)]);
+        let _ = child.kill();
+        let _ = child.wait();
+        let sample = &t.processes[0];
+        assert!(sample.children.contains(&child.id()), "{sample:?}");
+        let own = peak_rss(me).unwrap();
+        assert!(sample.peak_rss_bytes.unwrap() > own, "{sample:?} vs {own}");
+        assert!(
+            children_of(&[me])
+                .get(&me)
+                .is_none_or(|c| !c.contains(&child.id()))
+        );
+        assert!(children_of(&[]).is_empty());
+        assert_eq!(parse_parent("12 (a) b) c) S 34 12 12 0"), Some(34));
+        assert_eq!(parse_parent("12 (python3) R 1 2 3"), Some(1));
+        for bad in [
+            "",
+            "12 python3 S 1",
+            "12 (x) S",
+            "12 (x) S -1",
+            "12 (x) S 1x",
+            "12 (x",
+        ] {
+            assert_eq!(parse_parent(bad), None, "{bad:?}");
+        }
     }
 
     proptest::proptest! {

@@ -12,8 +12,8 @@ use crate::planner::Planner;
 /// The file in the run directory that the DFlash workers read.
 pub const SETTINGS_FILE: &str = "dflash.json";
 
-/// Checks the target model, the settings, the dataset's vocabulary and, for GPU workers, that the
-/// worker binary was built with CUDA. Returns the target's configuration.
+/// Checks the target model, the settings, the dataset's vocabulary and, for candle workers on
+/// GPUs, that the worker binary was built with CUDA. Returns the target's configuration.
 pub(super) fn check(
     settings: &DflashSettings,
     tokens: &mut Tokens,
@@ -60,13 +60,19 @@ pub(super) fn check(
         }
         Tokens::Synthetic { vocab: v, .. } => *v = (*v).min(vocab as u32),
     }
-    if devices.iter().any(|d| matches!(d, Device::Gpu(_))) && !worker_has_cuda(worker)? {
+    if needs_cuda_worker(settings, devices) && !worker_has_cuda(worker)? {
         return Err(invalid(format!(
             "--gpus names GPUs, but {} was built without CUDA: rebuild with `cargo build --release --features cuda` (the target and drafter would otherwise run on the CPU), or use --gpus cpu:N",
             worker.display()
         )));
     }
     Ok(target)
+}
+
+/// Whether the worker binary itself must have CUDA: a candle role on a GPU. A torch worker only
+/// hosts the loop; its Python side does the GPU's work.
+pub(super) fn needs_cuda_worker(settings: &DflashSettings, devices: &[Device]) -> bool {
+    settings.engines.uses(Engine::Candle) && devices.iter().any(|d| matches!(d, Device::Gpu(_)))
 }
 
 /// Checks the engines: the torch engine's pre-flight (Python, torch, transformers, our package,

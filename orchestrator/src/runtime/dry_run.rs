@@ -7,7 +7,7 @@ use dflash_common::run_dir;
 
 use super::launch_plan::check_options;
 use super::run_lock::shm_free;
-use super::spec::{self, Device};
+use super::spec;
 use super::{RunConfig, RunError, dflash_stage, gpu_count, init_nvml, workers};
 use crate::store::Store;
 
@@ -89,9 +89,15 @@ pub(super) fn memory_plan(
     rings: &RingPlan,
 ) -> super::memory::MemoryPlan {
     let planner = &config.planner;
+    // What a torch target loads: every tensor of its weight files.
+    let params = (settings.engines.target == dflash_common::dflash::Engine::Torch)
+        .then(|| super::memory::weight_elements(&settings.target_model))
+        .flatten();
     let mut plan = super::memory::plan(
         target,
         settings,
+        settings.engines,
+        params,
         planner.token_budget,
         u64::from(planner.max_len),
         rings.total,
@@ -101,7 +107,7 @@ pub(super) fn memory_plan(
     // Prompts as long as the longest sequence, plus the new tokens.
     plan.eval = config.eval.as_ref().map(|e| {
         let context = u64::from(planner.max_len) + u64::from(e.max_new_tokens);
-        super::memory::eval_worker(target, settings, context)
+        super::memory::eval_worker(target, settings, context, settings.engines.target, params)
     });
     plan
 }
@@ -211,7 +217,7 @@ pub fn dry_run(config: &RunConfig, gpu_memory: Option<u64>) -> Result<DryRun, Ru
             )),
         }
         settings.check(&checked).map_err(RunError::Invalid)?;
-        if devices.iter().any(|d| matches!(d, Device::Gpu(_))) {
+        if dflash_stage::needs_cuda_worker(settings, &devices) {
             let binary = workers::worker_binary();
             match dflash_stage::worker_has_cuda(&binary) {
                 Ok(true) => {}

@@ -430,6 +430,11 @@ pub fn launch(
         heartbeat_ms: config.heartbeat_ms,
         log_dir,
         dflash_config: dflash_file,
+        python: config
+            .dflash
+            .as_ref()
+            .and_then(|d| d.torch.as_ref())
+            .map(|t| t.python.clone()),
     };
     let plan = planner.plan_epoch(u64::from(start.epoch));
     let planned = plan.batches.len();

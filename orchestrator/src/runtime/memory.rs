@@ -12,7 +12,7 @@
 use crate::format::gib;
 use serde::Serialize;
 
-use dflash_common::dflash::{DflashSettings, Qwen3Config};
+use dflash_common::dflash::{DflashSettings, Engine, Engines, Qwen3Config};
 
 /// The bytes of one chunk's activations that `--anchor-chunk auto` aims at, on a GPU.
 pub const GPU_CHUNK_BYTES: u64 = 12 << 30;
@@ -45,10 +45,42 @@ const TILE_COPIES: f64 = 4.0;
 /// A worker process's own resident baseline (code, allocator, threads).
 const BASELINE: u64 = 16 << 20;
 
+// The torch engine's workers (`python/dflash_orch/target.py`, `drafter.py`). Calibrated on
+// `scripts/bench-scale --engine torch`'s measured peaks (see docs/memory.md).
+
+/// The Python side's own resident memory: the interpreter with torch and transformers imported.
+pub const TORCH_RUNTIME: u64 = 700 << 20;
+/// `[tokens, hidden]`-sized tensors alive in a `transformers` decoder layer (the residual, the
+/// normed input and its f32 intermediates, the layer's output).
+const TORCH_TARGET_HIDDEN_COPIES: f64 = 4.0;
+/// `[tokens, intermediate]`-sized ones at its MLP (the gate's activation, up, their product:
+/// the gate itself is freed once activated, as inference keeps no graph).
+const TORCH_TARGET_MLP_COPIES: f64 = 3.0;
+/// `[tokens, heads × head_dim]`-sized ones at attention (queries, their norm and rotary forms,
+/// keys and values repeated to the query heads, the output and its projection).
+const TORCH_TARGET_QUERY_COPIES: f64 = 8.0;
+/// `[tokens, hidden]`-sized tensors of the micro-batch's context the torch drafter keeps for the
+/// backward pass through it (the features in the compute dtype, `fc`'s output, its norm and the
+/// norm's f32 intermediates), and `[tokens, kv_heads × head_dim]`-sized ones per drafter layer
+/// (keys through their norm and rotary, values, and the chunks' summed gradients of both).
+const TORCH_CONTEXT_HIDDEN_COPIES: f64 = 6.0;
+const TORCH_CONTEXT_KV_COPIES: f64 = 12.0;
+/// `[tokens, hidden]`- and `[tokens, intermediate]`-sized tensors a torch drafter layer keeps
+/// per block token for backward, and f32 copies of a piece of the loss's logits (the logits,
+/// the log-softmax, its gradient and the softmax's).
+const TORCH_DRAFTER_HIDDEN_COPIES: f64 = 24.0;
+const TORCH_DRAFTER_MLP_COPIES: f64 = 6.0;
+const TORCH_LOGIT_COPIES: f64 = 4.0;
+/// Block positions whose full-vocabulary logits exist at once in the torch drafter's loss
+/// (`drafter.py`'s `DEFAULT_LOSS_ROWS`).
+pub const TORCH_LOSS_ROWS: f64 = 4096.0;
+
 /// One worker's memory at its peak, by what holds it, in bytes.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct WorkerPlan {
     pub role: &'static str,
+    /// The engine whose code the figures follow: `candle` or `torch`.
+    pub engine: &'static str,
     /// Model weights on the worker's device (the target's layers it runs; the drafter's f32
     /// masters, their compute-dtype copies and the target's embedding and lm_head).
     pub weights: u64,
@@ -144,6 +176,7 @@ pub fn target_worker(
     };
     WorkerPlan {
         role: "target",
+        engine: Engine::Candle.name(),
         weights: bytes((sh.vocab * sh.hidden + layers * sh.layer_params() + sh.hidden) * e),
         activations: bytes(budget * per_token * e),
         // The score tiles, and one sequence's queries, keys, values and output in f32.
@@ -203,8 +236,31 @@ pub fn auto_anchor_chunk(
     } else {
         CPU_CHUNK_BYTES
     } as f64;
-    let (scores, other) = chunk_bytes(target, s, 1.0, f64::from(max_len));
-    let chunk = (limit / (scores + other).max(1.0)).max(1.0) as usize;
+    let chunk = match s.engines.drafter {
+        Engine::Candle => {
+            let (scores, other) = chunk_bytes(target, s, 1.0, f64::from(max_len));
+            limit / (scores + other).max(1.0)
+        }
+        // Not linear in the chunk (its block mask is `[chunk × block]²`, its loss's logits are
+        // capped at TORCH_LOSS_ROWS): the most anchors within the limit, by bisection.
+        Engine::Torch => {
+            let fits = |n: usize| {
+                let (a, b) = torch_chunk_bytes(target, s, n as f64, f64::from(max_len));
+                a + b <= limit
+            };
+            let (mut lo, mut hi) = (1usize, s.num_anchors.max(1));
+            while lo < hi {
+                let mid = lo + (hi - lo).div_ceil(2);
+                if fits(mid) {
+                    lo = mid;
+                } else {
+                    hi = mid - 1;
+                }
+            }
+            lo as f64
+        }
+    };
+    let chunk = chunk.max(1.0) as usize;
     (chunk < s.num_anchors).then_some(chunk)
 }
 
@@ -236,6 +292,7 @@ pub fn drafter_worker(
     let context = max_len * (6.0 * sh.hidden * e + layers * 8.0 * sh.kv_heads * sh.head_dim * e);
     WorkerPlan {
         role: "drafter",
+        engine: Engine::Candle.name(),
         weights: bytes(params * 4.0 + compute_copy + heads_matrices * sh.vocab * sh.hidden * e),
         activations: bytes(other + context),
         attention: bytes(scores),
@@ -248,25 +305,159 @@ pub fn drafter_worker(
     .sum()
 }
 
+/// A torch target worker's Python side at `budget` tokens per batch: the whole model as
+/// `transformers` loads it (`params` elements, from the weight files' headers; by arithmetic of a
+/// dense model when they could not be read), one decoder layer's activations for a budget's rows
+/// (rows of one length run together, at most a budget of tokens at a time), and the kept hidden
+/// states with their concatenation. SDPA's fused kernels keep no `[s, s]` scores; the attention
+/// column is its keys and values as the kernel reads them.
+pub fn torch_target_worker(
+    target: &Qwen3Config,
+    s: &DflashSettings,
+    budget: u64,
+    params: Option<u64>,
+) -> WorkerPlan {
+    let sh = Shape::of(target);
+    let e = s.dtype.bytes() as f64;
+    let budget = budget as f64;
+    let kept = (s.feature_width(target) / target.hidden_size.max(1) as u64) as f64;
+    let heads = if target.tie_word_embeddings { 1.0 } else { 2.0 };
+    let params = params.map_or_else(
+        || {
+            target.num_hidden_layers as f64 * sh.layer_params()
+                + heads * sh.vocab * sh.hidden
+                + sh.hidden
+        },
+        |p| p as f64,
+    );
+    let q = sh.heads * sh.head_dim;
+    let per_token = TORCH_TARGET_HIDDEN_COPIES * sh.hidden
+        + (TORCH_TARGET_MLP_COPIES * sh.inter).max(TORCH_TARGET_QUERY_COPIES * q);
+    let conversion = if s.feature_dtype == s.dtype {
+        0.0
+    } else {
+        s.feature_dtype.bytes() as f64
+    };
+    WorkerPlan {
+        role: "target",
+        engine: Engine::Torch.name(),
+        weights: bytes(params * e),
+        activations: bytes(budget * per_token * e),
+        attention: bytes(budget * 2.0 * q * e),
+        features: bytes(budget * kept * sh.hidden * (2.0 * e + conversion)),
+        optimiser: 0,
+        total: 0,
+    }
+    .sum()
+}
+
+/// A torch drafter worker's Python side, with micro-batches of at most `budget` tokens and
+/// sequences of at most `max_len`: the f32 masters, the target's embedding and `lm_head`, the
+/// gradients and AdamW's moments; the micro-batch's context kept for its one backward pass; one
+/// anchor chunk's blocks, their block mask and keys (SDPA's fused kernel keeps no scores), and
+/// one piece of the loss's logits.
+pub fn torch_drafter_worker(
+    target: &Qwen3Config,
+    s: &DflashSettings,
+    budget: u64,
+    max_len: u64,
+) -> WorkerPlan {
+    let sh = Shape::of(target);
+    let e = s.dtype.bytes() as f64;
+    let fe = s.feature_dtype.bytes() as f64;
+    let (budget, max_len) = (budget as f64, max_len as f64);
+    let n = s.target_layer_ids.len() as f64;
+    let width = s.feature_width(target) as f64;
+    let layers = s.draft_layers as f64;
+    let kv = sh.kv_heads * sh.head_dim;
+    let params = sh.hidden * n * sh.hidden + sh.hidden * 2.0 + layers * sh.layer_params();
+    let heads_matrices = if target.tie_word_embeddings { 1.0 } else { 2.0 };
+    // The compute-dtype copies of the weights a chunk's graph keeps.
+    let compute_copy = if s.dtype.bytes() == 4 {
+        0.0
+    } else {
+        params * e
+    };
+    let chunk = s.anchor_chunk.unwrap_or(s.num_anchors).min(s.num_anchors) as f64;
+    let (attention, blocks) = torch_chunk_bytes(target, s, chunk, max_len);
+    let conversion = if s.feature_dtype == s.dtype { 0.0 } else { e };
+    let context = budget
+        * (width * conversion
+            + e * (TORCH_CONTEXT_HIDDEN_COPIES * sh.hidden)
+            + layers * TORCH_CONTEXT_KV_COPIES * kv * e);
+    WorkerPlan {
+        role: "drafter",
+        engine: Engine::Torch.name(),
+        weights: bytes(params * 4.0 + compute_copy + heads_matrices * sh.vocab * sh.hidden * e),
+        activations: bytes(context + blocks),
+        attention: bytes(attention),
+        // The micro-batch's features on the device (on a CPU, a view of the mapped ring).
+        features: bytes(budget * width * fe),
+        // Gradients and AdamW's two moments.
+        optimiser: bytes(3.0 * params * 4.0),
+        total: 0,
+    }
+    .sum()
+}
+
+/// Bytes of one chunk of `chunk` anchors in the torch drafter, with `context` positions seen:
+/// (attention: the block mask, bool and as the kernel's bias in the compute dtype on a GPU, and
+/// per layer the keys and values the blocks attend to; the rest: the blocks' activations and one
+/// piece of the loss's logits).
+fn torch_chunk_bytes(
+    target: &Qwen3Config,
+    s: &DflashSettings,
+    chunk: f64,
+    context: f64,
+) -> (f64, f64) {
+    let sh = Shape::of(target);
+    let e = s.dtype.bytes() as f64;
+    let layers = s.draft_layers as f64;
+    let tokens = chunk * s.block_size as f64;
+    let keys = context + tokens;
+    let kv = sh.kv_heads * sh.head_dim;
+    let attention = tokens * keys * (1.0 + e) + layers * 2.0 * keys * kv * e;
+    let blocks = layers
+        * tokens
+        * (TORCH_DRAFTER_HIDDEN_COPIES * sh.hidden * e + TORCH_DRAFTER_MLP_COPIES * sh.inter * e)
+        + TORCH_LOGIT_COPIES * tokens.min(TORCH_LOSS_ROWS) * sh.vocab * 4.0;
+    (attention, blocks)
+}
+
 /// The process of `--eval-every` (as `eval` runs it), decoding prompts of up to `context` tokens
 /// with their new ones: every layer of the target and its embedding and output head, the
 /// drafter (f32 masters), the KV caches of both, and a prefill's activations at `context`
-/// tokens.
-pub fn eval_worker(target: &Qwen3Config, s: &DflashSettings, context: u64) -> WorkerPlan {
+/// tokens; on `engine` (the target's), whose torch side loads `target_params` elements.
+pub fn eval_worker(
+    target: &Qwen3Config,
+    s: &DflashSettings,
+    context: u64,
+    engine: Engine,
+    target_params: Option<u64>,
+) -> WorkerPlan {
     let sh = Shape::of(target);
     let e = s.dtype.bytes() as f64;
     let layers = target.num_hidden_layers as f64;
     let n = s.target_layer_ids.len() as f64;
     let draft_params =
         sh.hidden * n * sh.hidden + sh.hidden * 2.0 + s.draft_layers as f64 * sh.layer_params();
-    let target_params = layers * sh.layer_params() + sh.vocab * sh.hidden + sh.hidden;
+    let (target_params, prefill) = match engine {
+        Engine::Candle => (
+            layers * sh.layer_params() + sh.vocab * sh.hidden + sh.hidden,
+            target_worker(target, s, context, context),
+        ),
+        Engine::Torch => {
+            let t = torch_target_worker(target, s, context, target_params);
+            (t.weights as f64 / s.dtype.bytes() as f64, t)
+        }
+    };
     // The model's embedding, then the embedding and output head the drafter borrows.
     let heads = 2.0 * sh.vocab * sh.hidden;
     let kv = sh.kv_heads * sh.head_dim;
     let context_f = context as f64;
-    let prefill = target_worker(target, s, context, context);
     WorkerPlan {
         role: "eval",
+        engine: engine.name(),
         weights: bytes((target_params + heads) * e + draft_params * 4.0),
         activations: prefill.activations,
         attention: prefill.attention,
@@ -295,26 +486,44 @@ pub struct MemoryPlan {
 }
 
 /// The plan, with rings of `shm_bytes` in all, `feature_ring` of them the feature ring and
-/// `input_ring` the input ring.
+/// `input_ring` the input ring, for workers on `engines`; `target_params`: the elements of the
+/// target's weight files (what a torch target loads), where they could be read.
+#[allow(clippy::too_many_arguments)]
 pub fn plan(
     target: &Qwen3Config,
     s: &DflashSettings,
+    engines: Engines,
+    target_params: Option<u64>,
     budget: u64,
     max_len: u64,
     shm_bytes: u64,
     feature_ring: u64,
     input_ring: u64,
 ) -> MemoryPlan {
-    let t = target_worker(target, s, budget, max_len);
-    let d = drafter_worker(target, s, budget, max_len);
+    let t = match engines.target {
+        Engine::Candle => target_worker(target, s, budget, max_len),
+        Engine::Torch => torch_target_worker(target, s, budget, target_params),
+    };
+    let d = match engines.drafter {
+        Engine::Candle => drafter_worker(target, s, budget, max_len),
+        Engine::Torch => torch_drafter_worker(target, s, budget, max_len),
+    };
     // On a CPU the ring pages a worker writes or reads count in its resident memory: over a run
     // a target writes into any of the feature slots, the drafter reads them all, and a target
-    // reads its input slots.
+    // reads its input slots. A torch worker adds its Python side's own (the monitor counts a
+    // worker with its children).
+    let runtime = |w: &WorkerPlan| {
+        if w.engine == Engine::Torch.name() {
+            TORCH_RUNTIME
+        } else {
+            0
+        }
+    };
     MemoryPlan {
-        target_host: [BASELINE, feature_ring, input_ring]
+        target_host: [BASELINE, runtime(&t), feature_ring, input_ring]
             .into_iter()
             .fold(t.total, u64::saturating_add),
-        drafter_host: [BASELINE, feature_ring]
+        drafter_host: [BASELINE, runtime(&d), feature_ring]
             .into_iter()
             .fold(d.total, u64::saturating_add),
         target: t,
@@ -325,8 +534,42 @@ pub fn plan(
     }
 }
 
+/// The elements of every tensor in the weight files of `dir` (any dtype; a packed type counts
+/// its stored elements), from the files' headers; `None` when a file cannot be read.
+pub fn weight_elements(dir: &std::path::Path) -> Option<u64> {
+    let mut total = 0u64;
+    for file in dflash_common::dflash::weight_files(dir).ok()? {
+        let header = crate::model_dir::header_bytes(&file).ok()?;
+        let table: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_slice(&header[8..]).ok()?;
+        for (name, entry) in &table {
+            if name == "__metadata__" {
+                continue;
+            }
+            let shape = entry.get("shape")?.as_array()?;
+            let n = shape
+                .iter()
+                .try_fold(1u64, |n, d| n.checked_mul(d.as_u64()?))?;
+            total = total.checked_add(n)?;
+        }
+    }
+    Some(total)
+}
+
 /// What a GPU worker's CUDA context and allocator keep besides its tensors.
 pub const CUDA_CONTEXT: u64 = 768 << 20;
+/// The same for a torch worker: its CUDA context, cuBLAS's workspace and the caching
+/// allocator's unused blocks.
+pub const TORCH_CUDA_CONTEXT: u64 = 1536 << 20;
+
+/// What a GPU worker on `engine` keeps besides the tensors of its plan.
+fn cuda_context(engine: &str) -> u64 {
+    if engine == Engine::Torch.name() {
+        TORCH_CUDA_CONTEXT
+    } else {
+        CUDA_CONTEXT
+    }
+}
 
 /// One GPU's share of the run: its workers and their summed peaks.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -353,11 +596,12 @@ pub fn gpu_uses(
         let super::spec::Device::Gpu(gpu) = *device else {
             continue;
         };
-        let (role, need) = if (i as u32) < targets {
-            ("target", plan.target.total)
+        let worker = if (i as u32) < targets {
+            &plan.target
         } else {
-            ("drafter", plan.drafter.total)
+            &plan.drafter
         };
+        let (role, need) = (worker.role, worker.total);
         let at = match uses.iter().position(|u| u.gpu == gpu) {
             Some(at) => at,
             None => {
@@ -373,14 +617,14 @@ pub fn gpu_uses(
         uses[at].workers.push(role);
         uses[at].need = uses[at]
             .need
-            .saturating_add(need.saturating_add(CUDA_CONTEXT));
+            .saturating_add(need.saturating_add(cuda_context(worker.engine)));
     }
     // The evaluations run on the first GPU, beside its workers.
     if let (Some(e), Some(first)) = (&plan.eval, uses.first_mut()) {
         first.workers.push("eval");
         first.need = first
             .need
-            .saturating_add(e.total.saturating_add(CUDA_CONTEXT));
+            .saturating_add(e.total.saturating_add(cuda_context(e.engine)));
     }
     uses
 }
@@ -506,5 +750,100 @@ pub(crate) mod tests {
         // Unchunked, the drafter would not fit.
         s.anchor_chunk = None;
         assert!(drafter_worker(&t, &s, 49_152, 8_192).total > 141 << 30);
+    }
+
+    /// The torch workers' plans: linear in a batch's tokens; at the seeds' settings on Qwen3-8B
+    /// each fits an H200 with the chunk `auto` picks for the torch drafter; the torch target
+    /// holds the whole model (its weight files' elements when known).
+    #[test]
+    fn the_torch_plans_are_linear_and_fit_at_the_seeds_settings() {
+        let t = qwen3_8b();
+        let mut s = settings(49_152);
+        s.engines = Engines::both(Engine::Torch);
+        for budget in [8_192u64, 16_384, 32_768] {
+            let one = torch_target_worker(&t, &s, budget, None);
+            let two = torch_target_worker(&t, &s, 2 * budget, None);
+            assert_eq!(one.weights, two.weights);
+            let grow = (two.total - two.weights) as f64 / (one.total - one.weights) as f64;
+            assert!((grow - 2.0).abs() < 1e-9, "{grow}");
+            let d1 = torch_drafter_worker(&t, &s, budget, 8_192);
+            let d2 = torch_drafter_worker(&t, &s, 2 * budget, 8_192);
+            // Only the micro-batch's context and features grow with the budget.
+            let per_token = (d2.total - d1.total) as f64 / budget as f64;
+            let d4 = torch_drafter_worker(&t, &s, 4 * budget, 8_192);
+            assert!(((d4.total - d2.total) as f64 / (2 * budget) as f64 - per_token).abs() < 1.0);
+        }
+        let chunk = auto_anchor_chunk(&t, &s, 8_192, true).expect("512 anchors need chunks");
+        // Torch keeps no scores: its chunk is larger than candle's.
+        let mut candle = s.clone();
+        candle.engines = Engines::both(Engine::Candle);
+        assert!(chunk > auto_anchor_chunk(&t, &candle, 8_192, true).unwrap());
+        let (a, b) = torch_chunk_bytes(&t, &s, chunk as f64, 8_192.0);
+        assert!(a + b <= GPU_CHUNK_BYTES as f64);
+        let (a, b) = torch_chunk_bytes(&t, &s, chunk as f64 + 1.0, 8_192.0);
+        assert!(a + b > GPU_CHUNK_BYTES as f64);
+        s.anchor_chunk = Some(chunk);
+        let p = plan(&t, &s, s.engines, None, 49_152, 8_192, 0, 0, 0);
+        assert_eq!((p.target.engine, p.drafter.engine), ("torch", "torch"));
+        // Qwen3-8B is 8.19 G parameters, bf16: the whole model on the target's GPU.
+        let gib8 = p.target.weights as f64 / f64::from(1u32 << 30);
+        assert!((15.0..15.5).contains(&gib8), "{gib8}");
+        for w in [&p.target, &p.drafter] {
+            assert!(w.total + TORCH_CUDA_CONTEXT < 141 << 30, "{}", gib(w.total));
+        }
+        // The weight files' own count wins over the arithmetic (an MoE's experts).
+        let moe = plan(
+            &t,
+            &s,
+            s.engines,
+            Some(30_000_000_000),
+            49_152,
+            8_192,
+            0,
+            0,
+            0,
+        );
+        assert_eq!(moe.target.weights, 60_000_000_000);
+        // A CPU worker's resident figure adds the Python side.
+        assert_eq!(p.target_host, p.target.total + BASELINE + TORCH_RUNTIME);
+        // A mixed run plans each worker on its own engine.
+        let mixed = Engines {
+            target: Engine::Torch,
+            drafter: Engine::Candle,
+        };
+        let m = plan(&t, &s, mixed, None, 49_152, 8_192, 0, 0, 0);
+        assert_eq!((m.target.engine, m.drafter.engine), ("torch", "candle"));
+        assert_eq!(m.drafter, drafter_worker(&t, &s, 49_152, 8_192));
+    }
+
+    /// The elements of a model's weight files come from their headers; a damaged file gives none.
+    #[test]
+    fn weight_elements_reads_the_headers_and_refuses_a_damaged_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let header = br#"{"a":{"dtype":"F32","shape":[2,3],"data_offsets":[0,24]},"b":{"dtype":"U8","shape":[5],"data_offsets":[24,29]},"__metadata__":{"format":"pt"}}"#;
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(header);
+        bytes.extend_from_slice(&[0u8; 29]);
+        std::fs::write(dir.path().join("model.safetensors"), &bytes).unwrap();
+        assert_eq!(weight_elements(dir.path()), Some(11));
+        for bad in [
+            &br#"{"a":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}}"#[..],
+            br#"{"a":{"dtype":"F32"}}"#,
+            br#"[1, 2]"#,
+            br#"{"a":{"shape":[18446744073709551615,18446744073709551615]}}"#,
+        ] {
+            let mut bytes = (bad.len() as u64).to_le_bytes().to_vec();
+            bytes.extend_from_slice(bad);
+            std::fs::write(dir.path().join("model.safetensors"), &bytes).unwrap();
+            assert_eq!(
+                weight_elements(dir.path()),
+                None,
+                "{}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+        std::fs::write(dir.path().join("model.safetensors"), b"short").unwrap();
+        assert_eq!(weight_elements(dir.path()), None);
+        assert_eq!(weight_elements(&dir.path().join("missing")), None);
     }
 }

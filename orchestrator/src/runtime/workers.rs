@@ -26,6 +26,9 @@ pub struct Launch {
     pub log_dir: PathBuf,
     /// The DFlash settings file (`--stage dflash`).
     pub dflash_config: Option<PathBuf>,
+    /// The torch engine's interpreter, where the run has one (its CUDA wheels may hold the
+    /// libraries a CUDA worker needs).
+    pub python: Option<PathBuf>,
 }
 
 /// A started worker process.
@@ -35,6 +38,103 @@ pub struct Process {
     /// The IPC server name, to unblock its accept thread if the child never connects.
     server_name: String,
     pub connected: bool,
+}
+
+/// The CUDA libraries a CUDA build of the worker links (`libcuda.so.1` is the driver's).
+pub const CUDA_LIBRARIES: [&str; 4] = [
+    "libcublas.so.13",
+    "libcublasLt.so.13",
+    "libcudart.so.13",
+    "libcurand.so.10",
+];
+
+/// Folders that may hold the CUDA libraries: `$CUDA_HOME` and `$CUDA_PATH`, the usual install
+/// places, then the `nvidia/*/lib` folders of PyTorch's CUDA wheels in `site_packages`.
+fn cuda_library_candidates(site_packages: &[PathBuf]) -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = ["CUDA_HOME", "CUDA_PATH"]
+        .into_iter()
+        .filter_map(std::env::var_os)
+        .map(|home| PathBuf::from(home).join("lib64"))
+        .collect();
+    dirs.push("/usr/local/cuda/lib64".into());
+    dirs.push("/usr/local/cuda/targets/x86_64-linux/lib".into());
+    for sp in site_packages {
+        if let Ok(entries) = std::fs::read_dir(sp.join("nvidia")) {
+            let mut found: Vec<PathBuf> = entries.flatten().map(|e| e.path().join("lib")).collect();
+            found.sort();
+            dirs.extend(found);
+        }
+    }
+    dirs
+}
+
+/// The site-packages folders of `python` (none when it does not run).
+fn site_packages(python: &Path) -> Vec<PathBuf> {
+    let out = Command::new(python)
+        .args([
+            "-c",
+            "import site, sys; print('\\n'.join(site.getsitepackages() + [site.getusersitepackages()]))",
+        ])
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .output();
+    match out {
+        Ok(out) if out.status.success() => String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter(|l| !l.is_empty())
+            .map(PathBuf::from)
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// `LD_LIBRARY_PATH` for a GPU worker: `current` followed by every candidate folder holding one
+/// of [`CUDA_LIBRARIES`] (the user's own folders keep precedence); `None` when nothing is added.
+pub fn cuda_library_path(
+    current: Option<&std::ffi::OsStr>,
+    candidates: &[PathBuf],
+) -> Option<std::ffi::OsString> {
+    let mut dirs: Vec<PathBuf> = current
+        .map(|c| {
+            std::env::split_paths(c)
+                .filter(|p| !p.as_os_str().is_empty())
+                .collect()
+        })
+        .unwrap_or_default();
+    let before = dirs.len();
+    for dir in candidates {
+        if !dirs.contains(dir) && CUDA_LIBRARIES.iter().any(|l| dir.join(l).is_file()) {
+            dirs.push(dir.clone());
+        }
+    }
+    (dirs.len() > before).then(|| std::env::join_paths(dirs).ok())?
+}
+
+/// The environment of a process on `gpu` (none: a CPU process): `CUDA_VISIBLE_DEVICES`, with
+/// `CUDA_DEVICE_ORDER=PCI_BUS_ID` so that CUDA numbers the GPUs as NVML does (CUDA's default
+/// puts the fastest first, and GPU 1 of `--gpus` would be another GPU than NVML's GPU 1); and on
+/// a GPU, the CUDA libraries' folders on `LD_LIBRARY_PATH` (found once per process; `python` is
+/// the interpreter whose CUDA wheels may hold them), so a CUDA build of the worker finds them
+/// without the user exporting anything.
+pub fn device_env(command: &mut Command, gpu: Option<u32>, python: Option<&Path>) {
+    command
+        .env(
+            "CUDA_VISIBLE_DEVICES",
+            gpu.map(|g| g.to_string()).unwrap_or_default(),
+        )
+        .env("CUDA_DEVICE_ORDER", "PCI_BUS_ID");
+    if gpu.is_none() {
+        return;
+    }
+    static PATH: std::sync::OnceLock<Option<std::ffi::OsString>> = std::sync::OnceLock::new();
+    let path = PATH.get_or_init(|| {
+        let python = crate::runtime::torch_engine::python(python);
+        let candidates = cuda_library_candidates(&site_packages(&python));
+        cuda_library_path(std::env::var_os("LD_LIBRARY_PATH").as_deref(), &candidates)
+    });
+    if let Some(path) = path {
+        command.env("LD_LIBRARY_PATH", path);
+    }
 }
 
 /// The worker binary beside this executable (`DFLASH_WORKER_BIN` overrides it).
@@ -136,13 +236,6 @@ pub fn spawn(
                 .iter()
                 .flat_map(|p| [std::ffi::OsStr::new("--dflash-config"), p.as_os_str()]),
         )
-        .env(
-            "CUDA_VISIBLE_DEVICES",
-            match device {
-                Device::Gpu(i) => i.to_string(),
-                Device::Cpu(_) => String::new(),
-            },
-        )
         // Compute threads match the CPUs the worker is pinned to: more threads than CPUs spin
         // against each other (measured 7x slower on small kernels).
         .env(
@@ -152,6 +245,14 @@ pub fn spawn(
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)
         .stderr(log);
+    device_env(
+        &mut command,
+        match device {
+            Device::Gpu(i) => Some(i),
+            Device::Cpu(_) => None,
+        },
+        launch.python.as_deref(),
+    );
     bind_to_parent(&mut command, cpus);
     let child = command.spawn()?;
     let pid = child.id();
@@ -262,5 +363,40 @@ mod tests {
         assert_eq!(cpus_for(1, 2, &[0, 1, 2, 3]), vec![2, 3]);
         assert_eq!(cpus_for(2, 3, &[0, 1]), vec![0]);
         assert!(cpus_for(0, 1, &[]).is_empty());
+    }
+
+    /// A GPU worker's `LD_LIBRARY_PATH`: the user's folders first, then each candidate holding a
+    /// CUDA library (PyTorch's wheels' layout), once; nothing added, nothing set.
+    #[test]
+    fn gpu_workers_find_the_cuda_libraries() {
+        let dir = tempfile::tempdir().unwrap();
+        let sp = dir.path().join("site-packages");
+        for (wheel, lib) in [
+            ("cublas", "libcublas.so.13"),
+            ("cuda_runtime", "libcudart.so.13"),
+        ] {
+            std::fs::create_dir_all(sp.join("nvidia").join(wheel).join("lib")).unwrap();
+            std::fs::write(sp.join("nvidia").join(wheel).join("lib").join(lib), b"").unwrap();
+        }
+        std::fs::create_dir_all(sp.join("nvidia/empty/lib")).unwrap();
+        let candidates = cuda_library_candidates(&[sp.clone(), dir.path().join("missing")]);
+        let cublas = sp.join("nvidia/cublas/lib");
+        let cudart = sp.join("nvidia/cuda_runtime/lib");
+        assert!(candidates.contains(&cublas) && candidates.contains(&cudart));
+        let path = cuda_library_path(Some("/mine:".as_ref()), &candidates).unwrap();
+        let dirs: Vec<PathBuf> = std::env::split_paths(&path).collect();
+        assert_eq!(dirs[0], PathBuf::from("/mine"));
+        assert!(dirs.contains(&cublas) && dirs.contains(&cudart), "{dirs:?}");
+        assert!(!dirs.contains(&sp.join("nvidia/empty/lib")));
+        // Already there: nothing to add.
+        let again = cuda_library_path(Some(&path), &candidates);
+        assert_eq!(again, None);
+        assert_eq!(cuda_library_path(None, &[dir.path().join("missing")]), None);
+        // A GPU process numbers GPUs as NVML does; a CPU one sees none.
+        let mut c = Command::new("true");
+        device_env(&mut c, None, None);
+        let envs: Vec<_> = c.get_envs().collect();
+        assert!(envs.contains(&("CUDA_DEVICE_ORDER".as_ref(), Some("PCI_BUS_ID".as_ref()))));
+        assert!(envs.contains(&("CUDA_VISIBLE_DEVICES".as_ref(), Some("".as_ref()))));
     }
 }

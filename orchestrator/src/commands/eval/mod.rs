@@ -446,12 +446,13 @@ pub fn run_worker(
     line.push('\n');
     let binary = crate::runtime::workers::worker_binary();
     let mut command = Command::new(&binary);
+    crate::runtime::workers::device_env(
+        &mut command,
+        gpu,
+        request.torch.as_ref().map(|t| t.python.as_path()),
+    );
     command
         .args(["--eval", "-"])
-        .env(
-            "CUDA_VISIBLE_DEVICES",
-            gpu.map(|g| g.to_string()).unwrap_or_default(),
-        )
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());

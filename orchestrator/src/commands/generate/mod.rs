@@ -524,6 +524,7 @@ pub fn run(args: GenerateArgs) -> Result<(), CliError> {
             let result = pool::Pool::start(
                 crate::runtime::workers::worker_binary(),
                 serde_json::to_string(&request).map_err(|e| CliError::Failed(e.to_string()))?,
+                torch.as_ref().map(|t| t.python.clone()),
                 &devices,
                 Duration::from_secs_f64(args.job_timeout),
             )

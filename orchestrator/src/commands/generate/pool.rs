@@ -40,6 +40,8 @@ pub struct Pool {
     binary: PathBuf,
     /// The request as one JSON line, the first a worker reads on stdin.
     request: String,
+    /// The torch engine's interpreter, where it serves (for the CUDA libraries' folders).
+    python: Option<PathBuf>,
     slots: Vec<Slot>,
     tx: mpsc::Sender<Message>,
     rx: mpsc::Receiver<Message>,
@@ -51,6 +53,7 @@ impl Pool {
     pub fn start(
         binary: PathBuf,
         request: String,
+        python: Option<PathBuf>,
         devices: &[Device],
         job_timeout: Duration,
     ) -> Result<Self, String> {
@@ -59,6 +62,7 @@ impl Pool {
         let mut pool = Self {
             binary,
             request,
+            python,
             slots: devices
                 .iter()
                 .enumerate()
@@ -86,15 +90,16 @@ impl Pool {
         let slot = &mut self.slots[i];
         slot.incarnation += 1;
         let mut command = Command::new(&self.binary);
+        crate::runtime::workers::device_env(
+            &mut command,
+            match slot.device {
+                Device::Gpu(g) => Some(g),
+                Device::Cpu(_) => None,
+            },
+            self.python.as_deref(),
+        );
         command
             .args(["--generate", "-"])
-            .env(
-                "CUDA_VISIBLE_DEVICES",
-                match slot.device {
-                    Device::Gpu(g) => g.to_string(),
-                    Device::Cpu(_) => String::new(),
-                },
-            )
             .env(
                 "RAYON_NUM_THREADS",
                 std::env::var("RAYON_NUM_THREADS")

@@ -1,0 +1,167 @@
+"""`python -m dflash_orch.bench_step REQUEST`: timed training steps of the torch drafter on this
+process's device at any shape, without a target model: the request `dflash-worker
+--drafter-bench` reads (the target's widths, drafter layers, anchors, sequences), so both engines
+are timed on one workload. The GPU check runs it at the seeds' shape.
+
+A step is what a torch drafter worker does with one micro-batch per optimiser step:
+`TorchDrafter.micro_batch` (anchor chunks, the loss in pieces) and `TorchDrafter.step` (clipping,
+AdamW). Prints one JSON object: per-step seconds, the median, tokens/s, the losses, the peak
+device memory.
+"""
+
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import time
+
+FIELDS = {"target", "draft_layers", "target_layer_ids", "block_size", "num_anchors",
+          "anchor_chunk", "sequences", "seq_len", "prompt", "dtype", "gamma", "warmup", "steps",
+          "seed"}
+
+
+class BadRequest(ValueError):
+    pass
+
+
+def parse(text):
+    """The request, checked field by field (a bad one is named before anything is allocated)."""
+    try:
+        req = json.loads(text)
+    except ValueError as e:
+        raise BadRequest(f"not a drafter-bench request: {e}") from None
+    if not isinstance(req, dict):
+        raise BadRequest("not a drafter-bench request: not a JSON object")
+    unknown = sorted(set(req) - FIELDS)
+    if unknown:
+        raise BadRequest(f"unknown field {unknown[0]!r}")
+    t = req.get("target")
+    if not isinstance(t, dict):
+        raise BadRequest("target must be an object of the target's config.json fields")
+
+    def count(where, name, lo=1):
+        v = where.get(name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+            raise BadRequest(f"{name} must be an integer of at least {lo}, got {v!r}")
+        return v
+
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
+                 "num_key_value_heads"):
+        count(t, name)
+    for name in ("draft_layers", "block_size", "num_anchors", "sequences", "seq_len", "steps"):
+        count(req, name)
+    count(req, "warmup", 0)
+    count(req, "prompt", 0)
+    if req["prompt"] + 2 > req["seq_len"]:
+        raise BadRequest(f"prompt ({req['prompt']}) leaves no token with loss in sequences of "
+                         f"{req['seq_len']}")
+    ids = req.get("target_layer_ids")
+    if not isinstance(ids, list) or not ids:
+        raise BadRequest("target_layer_ids must be a non-empty list")
+    if req.get("anchor_chunk") is not None:
+        count(req, "anchor_chunk")
+    if req.get("dtype") not in ("f32", "bf16"):
+        raise BadRequest(f"dtype must be f32 or bf16, got {req.get('dtype')!r}")
+    if t["num_attention_heads"] % t["num_key_value_heads"]:
+        raise BadRequest("target.num_attention_heads is not a multiple of num_key_value_heads")
+    return req
+
+
+def filler(rows, cols, k, scale, dtype, device):
+    """sin(i * phi * k) * scale: deterministic values of no pattern a drafter can exploit, made on
+    the device (as `dflash-worker --drafter-bench` makes them)."""
+    import torch
+
+    i = torch.arange(rows * cols, device=device, dtype=torch.float32)
+    return (torch.sin(i * (0.6180339887 * k)) * scale).view(rows, cols).to(dtype)
+
+
+def run(req):
+    import torch
+
+    from .drafter import TorchDrafter
+    from .target import device_for, dtype_of
+
+    device = device_for(os.environ.get("CUDA_VISIBLE_DEVICES"))
+    t = req["target"]
+    hidden, heads = t["hidden_size"], t["num_attention_heads"]
+    compute = dtype_of(req["dtype"])
+    spec = {
+        "shape": {"hidden": hidden, "intermediate": t["intermediate_size"],
+                  "layers": req["draft_layers"], "heads": heads,
+                  "kv_heads": t["num_key_value_heads"],
+                  "head_dim": t.get("head_dim") or hidden // heads,
+                  "rms_eps": t.get("rms_norm_eps", 1e-6), "rope_theta": t.get("rope_theta", 1e4),
+                  "vocab": t["vocab_size"]},
+        "block_size": req["block_size"], "mask_token_id": t["vocab_size"] - 1,
+        "states": len(req["target_layer_ids"]), "gamma": req.get("gamma"), "distill": None,
+        "anchor_chunk": req.get("anchor_chunk"), "weight_decay": 0.01,
+        "dtype": req["dtype"], "feature_dtype": req["dtype"],
+    }
+    vocab = t["vocab_size"]
+    heads_pair = (filler(vocab, hidden, 1.0, 0.02, compute, device),
+                  filler(vocab, hidden, 1.7, 0.02, compute, device))
+    drafter = TorchDrafter(spec, heads=heads_pair)
+    drafter.initialise(req.get("seed", 0))
+    n, length, prompt = req["sequences"], req["seq_len"], req["prompt"]
+    tokens_n = n * length
+    width = len(req["target_layer_ids"]) * hidden
+    features = filler(tokens_n, width, 2.3, 1.0, compute, device)
+    rng = random.Random(req.get("seed", 0))
+    tokens = [rng.randrange(vocab - 1) for _ in range(tokens_n)]
+    mask = [1 if i % length >= prompt else 0 for i in range(tokens_n)]
+    cuda = device.type == "cuda"
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    times, losses = [], []
+    for step in range(req["warmup"] + req["steps"]):
+        positions = range(prompt, length - 1)
+        sequences = [(i * length, length,
+                      sorted(rng.sample(positions, min(req["num_anchors"], len(positions)))))
+                     for i in range(n)]
+        sync()
+        started = time.perf_counter()
+        out = drafter.micro_batch(features, tokens, mask, sequences, 1)
+        drafter.step(6e-4, 1.0, False)
+        sync()
+        if step >= req["warmup"]:
+            times.append(time.perf_counter() - started)
+        losses.append(out["loss"])
+    median = statistics.median(times)
+    return {
+        "engine": "torch", "torch": torch.__version__, "device": str(device),
+        "dtype": req["dtype"], "attention": drafter.attention, "tokens": tokens_n,
+        "step_s": times, "median_s": median, "tokens_per_s": tokens_n / median,
+        "losses": losses,
+        "peak_gpu_memory_mib": round(torch.cuda.max_memory_allocated(device) / 2**20)
+        if cuda else None,
+    }
+
+
+def main(argv):
+    if len(argv) != 1 or argv[0] in ("-h", "--help"):
+        print(__doc__.strip(), file=sys.stderr)
+        return 2
+    try:
+        text = sys.stdin.read() if argv[0] == "-" else open(argv[0]).read()
+        req = parse(text)
+    except (OSError, BadRequest) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        report = run(req)
+    except Exception as e:  # noqa: BLE001 - one line for the caller, not a traceback
+        kind = "out of memory" if "out of memory" in str(e).lower() else type(e).__name__
+        print(f"error: {kind}: {str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr)
+        return 1
+    print(json.dumps(report))
+    return 0 if all(math.isfinite(x) for x in report["losses"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
