@@ -163,6 +163,8 @@ class TorchDrafter:
         if req.get("weights"):
             self.load(req["weights"], int(req.get("adam_t") or 0))
         self.attention = "sdpa"
+        # The data-parallel drafters' process group (parallel.Group), when there is one.
+        self.group = None
 
     @classmethod
     def from_checkpoint(cls, directory, model_dir, dtype):
@@ -462,7 +464,13 @@ class TorchDrafter:
     @torch.no_grad()
     def step(self, lr, clip, skip):
         """Ends a group: drops the gradients with `skip`; else clips them to the norm `clip`
-        and, when that norm is finite, steps AdamW (the candle drafter's formula)."""
+        and, when that norm is finite, steps AdamW (the candle drafter's formula). With a
+        process group, every rank's gradients are summed first (in rank order: the same bits
+        on every rank) and the ranks agree on `skip`."""
+        if self.group is not None:
+            from .parallel import sum_gradients
+
+            skip, _ = sum_gradients(self.group, self.P, self.names, skip)
         grads = [(n, self.P[n].grad) for n in self.names]
         if skip or all(g is None for _, g in grads):
             self.zero_grad()

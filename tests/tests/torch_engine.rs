@@ -421,6 +421,96 @@ fn both_engines_answer_the_drafter_step_bench() {
     }
 }
 
+/// Data-parallel torch drafters (`python/dflash_orch/parallel.py`): two and three ranks of a gloo
+/// process group each train their micro-batches of a step's group and sum their gradients in rank
+/// order; after two steps every rank holds the same weights to the bit, a second run gives the
+/// same bits, and one drafter training all the micro-batches ends within 1e-5 relative.
+#[test]
+fn data_parallel_torch_drafters_sum_their_gradients_in_rank_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = workspace_root().join("python/tests/check_parallel.py");
+    let check = |args: &[&str]| -> Output {
+        Command::new(test_python())
+            .arg(&script)
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let group = |world: usize, name: &str| -> Vec<PathBuf> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+            .to_string();
+        let outs: Vec<PathBuf> = (0..world)
+            .map(|r| dir.path().join(format!("{name}-{r}.safetensors")))
+            .collect();
+        let children: Vec<_> = (0..world)
+            .map(|r| {
+                Command::new(test_python())
+                    .arg(&script)
+                    .args([
+                        "rank",
+                        "--world",
+                        &world.to_string(),
+                        "--rank",
+                        &r.to_string(),
+                    ])
+                    .args(["--port", &port, "--out"])
+                    .arg(&outs[r])
+                    .stderr(Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        for child in children {
+            let out = child.wait_with_output().unwrap();
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        outs
+    };
+    let compare = |a: &Path, b: &Path| -> Value {
+        serde_json::from_str(&stdout_ok(&check(&[
+            "compare",
+            a.to_str().unwrap(),
+            b.to_str().unwrap(),
+        ])))
+        .unwrap()
+    };
+    for world in [2usize, 3] {
+        let first = group(world, &format!("w{world}"));
+        let again = group(world, &format!("w{world}-again"));
+        let reference = dir.path().join(format!("reference-{world}.safetensors"));
+        stdout_ok(&check(&[
+            "reference",
+            "--world",
+            &world.to_string(),
+            "--out",
+            reference.to_str().unwrap(),
+        ]));
+        for rank in 1..world {
+            assert_eq!(
+                compare(&first[rank], &first[0])["identical"],
+                true,
+                "rank {rank}"
+            );
+        }
+        assert_eq!(
+            compare(&again[0], &first[0])["identical"],
+            true,
+            "a second run"
+        );
+        let against = compare(&first[0], &reference);
+        let rel = against["max_rel"].as_f64().unwrap();
+        assert!(rel < 1e-5, "{world} ranks against one drafter: {against}");
+    }
+}
+
 /// Exact replay on the torch engine (target and drafter): SIGKILL of a target worker's Python
 /// child mid-run (the worker goes with it and is restarted), then SIGKILL of the drafter worker
 /// (its Python child goes with it; the restarted drafter resumes from its last checkpoint): the

@@ -3,8 +3,9 @@
 //! I/O, so property tests drive it through random feed/lease/crash/rewind sequences; the run loop
 //! calls it and does the writing, publishing and sending.
 //!
-//! The guarantees: a batch is handed to at most one worker at a time, the drafter gets batches
-//! strictly in plan order, batches are committed exactly once and in plan order (a rewind voids
+//! The guarantees: a batch is handed to at most one worker at a time, each drafter gets its
+//! batches strictly in plan order (with data-parallel drafters, [`Assignment::ByPosition`]: a
+//! batch goes to the drafter its position in its accumulation group names, whatever the timing), batches are committed exactly once and in plan order (a rewind voids
 //! the commits after its position, and they are made again), and a worker's death gives its slots
 //! back (`reclaim`).
 
@@ -68,6 +69,34 @@ pub struct TrainJob {
     pub feature: SlotRef,
 }
 
+/// Which drafter trains which batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Assignment {
+    /// Any drafter that asks takes the next batch in plan order (one drafter; the synthetic
+    /// stage's drafters).
+    Any,
+    /// Data-parallel drafters, workers `first..first + drafters`: batch `b` of the epoch sits at
+    /// position `b % accum` of its accumulation group and goes to drafter rank
+    /// `(b % accum) % drafters`, so the arithmetic of a step does not depend on who was free.
+    ByPosition {
+        first: usize,
+        drafters: usize,
+        accum: usize,
+    },
+}
+
+impl Assignment {
+    /// The drafter rank that trains `batch` (`None`: any).
+    pub fn rank_of(self, batch: usize) -> Option<usize> {
+        match self {
+            Assignment::Any => None,
+            Assignment::ByPosition {
+                drafters, accum, ..
+            } => Some((batch % accum.max(1)) % drafters.max(1)),
+        }
+    }
+}
+
 /// A worker reported a result for work it does not hold.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error("a result for work the worker was not given")]
@@ -84,8 +113,11 @@ pub struct Dispatch {
     batch_input: Vec<u32>,
     /// Forwarded batches waiting for the drafter.
     to_train: BTreeSet<usize>,
-    /// The next batch the drafter gets (plan order).
+    /// The next batch the drafter gets (plan order; [`Assignment::Any`]).
     next_train: usize,
+    /// Per drafter rank, the first batch it may still be given ([`Assignment::ByPosition`]).
+    rank_next: Vec<usize>,
+    assignment: Assignment,
     next_commit: usize,
     input_slots: Vec<InSlot>,
     input_generation: Vec<u64>,
@@ -103,6 +135,8 @@ impl Dispatch {
             batch_input: Vec::new(),
             to_train: BTreeSet::new(),
             next_train: 0,
+            rank_next: Vec::new(),
+            assignment: Assignment::Any,
             next_commit: 0,
             input_slots: vec![InSlot::Free; input_slots],
             input_generation: vec![0; input_slots],
@@ -110,6 +144,15 @@ impl Dispatch {
             feature_generation: vec![0; feature_slots],
             leases: vec![None; workers],
         }
+    }
+
+    /// Hands training batches out by `assignment` (default [`Assignment::Any`]).
+    pub fn with_assignment(mut self, assignment: Assignment) -> Self {
+        if let Assignment::ByPosition { drafters, .. } = assignment {
+            self.rank_next = vec![self.next_train; drafters.max(1)];
+        }
+        self.assignment = assignment;
+        self
     }
 
     /// An empty pipeline positioned at `batch` of an epoch of `batches` batches: nothing fed,
@@ -120,6 +163,7 @@ impl Dispatch {
         self.batch_input = vec![u32::MAX; batches];
         self.next_feed = batch;
         self.next_train = batch;
+        self.rank_next.fill(batch);
         self.next_commit = batch;
         self.queue.clear();
         self.to_train.clear();
@@ -193,20 +237,65 @@ impl Dispatch {
         Ok(batch)
     }
 
-    /// Leases the next batch in plan order to drafter `worker`, if its features are ready.
+    /// The next batch drafter rank `rank` is to train, from its cursor on (`None`: none left in
+    /// the epoch).
+    fn next_of_rank(&self, rank: usize) -> Option<usize> {
+        let Assignment::ByPosition {
+            drafters, accum, ..
+        } = self.assignment
+        else {
+            return None;
+        };
+        let (drafters, accum) = (drafters.max(1), accum.max(1));
+        if rank >= drafters || rank >= accum {
+            return None; // a rank past the group's size has no position in any group
+        }
+        let from = *self.rank_next.get(rank)?;
+        let (group, pos) = (from / accum, from % accum);
+        // The first position from `pos` on that is `rank` modulo `drafters`.
+        let p = pos + (rank + drafters - pos % drafters) % drafters;
+        let batch = if p < accum {
+            group * accum + p
+        } else {
+            (group + 1) * accum + rank
+        };
+        (batch < self.batches).then_some(batch)
+    }
+
+    /// Leases drafter `worker` its next batch in plan order (the next of all with
+    /// [`Assignment::Any`], the next of its rank's with [`Assignment::ByPosition`]), if its
+    /// features are ready.
     pub fn lease_train(&mut self, worker: usize) -> Option<TrainJob> {
         if self.leases[worker].is_some() {
             return None;
         }
-        let &batch = self.to_train.first()?;
-        if batch != self.next_train {
-            return None; // strictly in plan order
-        }
+        let batch = match self.assignment {
+            Assignment::Any => {
+                let &batch = self.to_train.first()?;
+                if batch != self.next_train {
+                    return None; // strictly in plan order
+                }
+                batch
+            }
+            Assignment::ByPosition {
+                first, drafters, ..
+            } => {
+                let rank = worker.checked_sub(first).filter(|&r| r < drafters)?;
+                let batch = self.next_of_rank(rank)?;
+                if !self.to_train.contains(&batch) {
+                    return None; // its rank's next, strictly in plan order
+                }
+                batch
+            }
+        };
         let feature = self
             .feature_slots
             .iter()
             .position(|s| *s == FeatSlot::Ready(batch))?;
-        self.next_train += 1;
+        match self.assignment.rank_of(batch) {
+            None => self.next_train += 1,
+            Some(rank) => self.rank_next[rank] = batch + 1,
+        }
         self.to_train.remove(&batch);
         self.feature_slots[feature] = FeatSlot::Training(batch);
         self.leases[worker] = Some(Lease::Train {
@@ -252,6 +341,9 @@ impl Dispatch {
         self.next_commit += 1;
         self.next_feed = self.next_feed.max(self.next_commit);
         self.next_train = self.next_train.max(self.next_commit);
+        for next in &mut self.rank_next {
+            *next = (*next).max(self.next_commit);
+        }
         b
     }
 
@@ -273,7 +365,10 @@ impl Dispatch {
             Lease::Train { batch, feature } => {
                 self.feature_slots[feature as usize] = FeatSlot::Ready(batch);
                 self.to_train.insert(batch);
-                self.next_train = self.next_train.min(batch);
+                match self.assignment.rank_of(batch) {
+                    None => self.next_train = self.next_train.min(batch),
+                    Some(rank) => self.rank_next[rank] = self.rank_next[rank].min(batch),
+                }
             }
         }
         Some(lease)
@@ -329,8 +424,10 @@ mod tests {
         Lease(usize),
         /// Target `n % targets` finishes its forward.
         Forward(usize),
-        LeaseTrain,
-        Train,
+        /// Drafter `n % drafters` asks for work.
+        LeaseTrain(usize),
+        /// Drafter `n % drafters` finishes its batch.
+        Train(usize),
         Commit,
         /// Worker `n % workers` dies.
         Crash(usize),
@@ -343,8 +440,8 @@ mod tests {
             3 => Just(Op::Feed),
             3 => any::<usize>().prop_map(Op::Lease),
             3 => any::<usize>().prop_map(Op::Forward),
-            3 => Just(Op::LeaseTrain),
-            3 => Just(Op::Train),
+            3 => any::<usize>().prop_map(Op::LeaseTrain),
+            3 => any::<usize>().prop_map(Op::Train),
             3 => Just(Op::Commit),
             1 => any::<usize>().prop_map(Op::Crash),
             1 => any::<usize>().prop_map(Op::Rewind),
@@ -403,15 +500,28 @@ mod tests {
         );
     }
 
-    /// Drives a pipeline with `targets` targets and one drafter through `ops`, then to the end of
-    /// the epoch; returns the commits (a rewind truncates them).
-    fn drive(batches: usize, targets: usize, ops: &[Op]) -> (Vec<usize>, Dispatch) {
-        let workers = targets + 1;
-        let drafter = targets;
-        let mut d = Dispatch::new(2 * targets + 1, 2 * targets + 2, workers);
+    /// Drives a pipeline with `targets` targets and `drafters` drafters handed batches by
+    /// `assignment` through `ops`, then to the end of the epoch; returns the commits (a rewind
+    /// truncates them). Checks on the way that each drafter gets only its own batches
+    /// (`ByPosition`), each in plan order until it crashes or the run rewinds.
+    fn drive_with(
+        batches: usize,
+        targets: usize,
+        drafters: usize,
+        assignment: Assignment,
+        ops: &[Op],
+    ) -> (Vec<usize>, Dispatch) {
+        let workers = targets + drafters;
+        let mut d =
+            Dispatch::new(2 * targets + 1, 2 * targets + 2, workers).with_assignment(assignment);
         d.enter(batches, 0);
         let mut commits: Vec<usize> = Vec::new();
-        let apply = |d: &mut Dispatch, op: &Op, commits: &mut Vec<usize>| {
+        // Per drafter, the last batch it was given since its last restart.
+        let mut last: Vec<Option<usize>> = vec![None; drafters];
+        let apply = |d: &mut Dispatch,
+                     op: &Op,
+                     commits: &mut Vec<usize>,
+                     last: &mut Vec<Option<usize>>| {
             match *op {
                 Op::Feed => {
                     d.feed();
@@ -424,14 +534,25 @@ mod tests {
                 Op::Forward(n) => {
                     let _ = d.forwarded(n % targets);
                 }
-                Op::LeaseTrain => {
-                    if let Some(job) = d.lease_train(drafter) {
-                        // Strictly in plan order: everything before it is trained or committed.
+                Op::LeaseTrain(n) => {
+                    let rank = n % drafters;
+                    if let Some(job) = d.lease_train(targets + rank) {
                         assert!(job.batch >= d.next_commit);
+                        if let Some(owner) = assignment.rank_of(job.batch) {
+                            assert_eq!(owner, rank, "batch {} given to another rank", job.batch);
+                        }
+                        if let Some(before) = last[rank] {
+                            assert!(
+                                job.batch > before,
+                                "rank {rank}: {before} then {}",
+                                job.batch
+                            );
+                        }
+                        last[rank] = Some(job.batch);
                     }
                 }
-                Op::Train => {
-                    let _ = d.trained(drafter);
+                Op::Train(n) => {
+                    let _ = d.trained(targets + n % drafters);
                 }
                 Op::Commit => {
                     while let Some(b) = d.commit_next() {
@@ -440,13 +561,18 @@ mod tests {
                     }
                 }
                 Op::Crash(n) => {
-                    d.reclaim(n % workers);
+                    let w = n % workers;
+                    d.reclaim(w);
+                    if w >= targets {
+                        last[w - targets] = None;
+                    }
                 }
                 Op::Rewind(n) => {
                     // The run drains leases before repositioning.
                     for w in 0..workers {
                         d.reclaim(w);
                     }
+                    last.fill(None);
                     let back = n % (commits.len() + 1);
                     let to = commits.len() - back;
                     commits.truncate(to);
@@ -456,23 +582,22 @@ mod tests {
             check(d);
         };
         for op in ops {
-            apply(&mut d, op, &mut commits);
+            apply(&mut d, op, &mut commits, &mut last);
         }
         // Then run to the end without faults: everything must complete.
-        let finish = [
+        let mut finish = vec![
             Op::Feed,
             Op::Lease(0),
             Op::Lease(1),
             Op::Forward(0),
             Op::Forward(1),
-            Op::LeaseTrain,
-            Op::Train,
-            Op::Commit,
         ];
+        finish.extend((0..drafters).flat_map(|r| [Op::LeaseTrain(r), Op::Train(r)]));
+        finish.push(Op::Commit);
         let mut rounds = 0;
         while commits.len() < batches {
             for op in &finish {
-                apply(&mut d, op, &mut commits);
+                apply(&mut d, op, &mut commits, &mut last);
             }
             // Other targets' leases from the faulted phase: finish them too.
             for t in 0..targets {
@@ -482,6 +607,10 @@ mod tests {
             assert!(rounds < 10 * batches + 100, "the pipeline stalled");
         }
         (commits, d)
+    }
+
+    fn drive(batches: usize, targets: usize, ops: &[Op]) -> (Vec<usize>, Dispatch) {
+        drive_with(batches, targets, 1, Assignment::Any, ops)
     }
 
     proptest! {
@@ -499,6 +628,70 @@ mod tests {
             prop_assert_eq!(d.slots_in_use(), 0, "slots leaked");
             prop_assert!(d.queue.is_empty() && d.to_train.is_empty());
         }
+
+        /// Data-parallel drafters: every batch trained and committed once, in plan order; each
+        /// drafter given only the batches its rank owns, in plan order; no slot leaks; under
+        /// random crashes of any worker and rewinds.
+        #[test]
+        fn data_parallel_drafters_train_their_own_batches_in_plan_order(
+            batches in 1usize..40,
+            targets in 1usize..4,
+            drafters in 1usize..4,
+            accum in 1usize..7,
+            ops in proptest::collection::vec(op(), 0..300),
+        ) {
+            // A rank past the group's size has nothing to train: a run has no such rank.
+            let drafters = drafters.min(accum);
+            let assignment = Assignment::ByPosition { first: targets, drafters, accum };
+            let (commits, d) = drive_with(batches, targets, drafters, assignment, &ops);
+            prop_assert_eq!(commits, (0..batches).collect::<Vec<_>>());
+            prop_assert!(!d.holds_leases());
+            prop_assert_eq!(d.slots_in_use(), 0, "slots leaked");
+            prop_assert!(d.queue.is_empty() && d.to_train.is_empty());
+        }
+    }
+
+    /// The assignment is by position in the accumulation group: with `--accum 4` and two
+    /// drafters, ranks 0, 1, 0, 1 in every group, the next group starting again at rank 0; a
+    /// rank's cursor skips the others' batches and goes back to a reclaimed one.
+    #[test]
+    fn batches_go_to_the_rank_their_group_position_names() {
+        let a = Assignment::ByPosition {
+            first: 1,
+            drafters: 2,
+            accum: 4,
+        };
+        let ranks: Vec<_> = (0..10).map(|b| a.rank_of(b).unwrap()).collect();
+        assert_eq!(ranks, [0, 1, 0, 1, 0, 1, 0, 1, 0, 1]);
+        let three = Assignment::ByPosition {
+            first: 1,
+            drafters: 2,
+            accum: 3,
+        };
+        let ranks: Vec<_> = (0..7).map(|b| three.rank_of(b).unwrap()).collect();
+        assert_eq!(ranks, [0, 1, 0, 0, 1, 0, 0]);
+        assert_eq!(Assignment::Any.rank_of(5), None);
+
+        let mut d = Dispatch::new(8, 8, 3).with_assignment(three);
+        d.enter(7, 0);
+        while d.feed().is_some() {}
+        for _ in 0..7 {
+            if d.lease_forward(0).is_some() {
+                d.forwarded(0).unwrap();
+            }
+        }
+        // Rank 1 (worker 2) gets batch 1, then 4; rank 0 (worker 1) gets 0, 2, 3.
+        assert_eq!(d.lease_train(2).unwrap().batch, 1);
+        d.trained(2).unwrap();
+        assert_eq!(d.lease_train(2).unwrap().batch, 4);
+        assert_eq!(d.lease_train(1).unwrap().batch, 0);
+        d.trained(1).unwrap();
+        assert_eq!(d.lease_train(1).unwrap().batch, 2);
+        // Rank 1 crashes holding batch 4: it gets 4 again, not 5's rank-0 batch.
+        d.reclaim(2);
+        assert_eq!(d.lease_train(2).unwrap().batch, 4);
+        // The target worker is no drafter.
+        assert!(d.lease_train(0).is_none());
     }
 
     #[test]
