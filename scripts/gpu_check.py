@@ -979,7 +979,7 @@ def pytorch_side(argv):
     import bench_dflash as bd  # wl_rope_theta, engine_package
 
     bd.engine_package()
-    from dflash_orch.drafter import TorchDrafter
+    from dflash_orch.bench_step import drafter_for
 
     transformers.utils.logging.set_verbosity_error()
     device = torch.device(a.device)
@@ -1030,16 +1030,10 @@ def pytorch_side(argv):
     sd = model.state_dict()
     embedding = sd["model.embed_tokens.weight"].detach()
     lm_head = (sd["lm_head.weight"] if "lm_head.weight" in sd else embedding).detach()
-    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-    spec = {"shape": {"hidden": tc.hidden_size, "intermediate": tc.intermediate_size, "layers": a.draft_layers,
-                      "heads": tc.num_attention_heads, "kv_heads": tc.num_key_value_heads, "head_dim": head_dim,
-                      "rms_eps": tc.rms_norm_eps, "rope_theta": bd.wl_rope_theta(a.model),
-                      "vocab": tc.vocab_size},
-            "block_size": a.block_size, "mask_token_id": a.mask_token_id, "states": len(ids_layers),
-            "gamma": a.gamma, "distill": None, "anchor_chunk": a.anchor_chunk, "weight_decay": a.weight_decay,
-            "dtype": a.dtype, "feature_dtype": a.dtype}
-    drafter = TorchDrafter(spec, heads=(embedding.to(dtype), lm_head.to(dtype)))
-    drafter.initialise(a.seed)
+    drafter = drafter_for(tc.to_dict(), a.draft_layers, a.block_size, len(ids_layers), a.dtype, device,
+                          heads=(embedding.to(dtype), lm_head.to(dtype)), gamma=a.gamma,
+                          anchor_chunk=a.anchor_chunk, weight_decay=a.weight_decay,
+                          rope_theta=bd.wl_rope_theta(a.model), mask_token_id=a.mask_token_id, seed=a.seed)
     flat = features.reshape(b * s, -1)
     flat_tokens = tokens.reshape(-1).tolist()
     flat_mask = ([0] * prompt + [1] * (s - prompt)) * b

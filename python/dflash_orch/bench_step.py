@@ -78,39 +78,52 @@ def filler(rows, cols, k, scale, dtype, device):
     return (torch.sin(i * (0.6180339887 * k)) * scale).view(rows, cols).to(dtype)
 
 
+def drafter_for(target, draft_layers, block_size, states, dtype, device, heads=None, gamma=None,
+                anchor_chunk=None, weight_decay=0.01, rope_theta=None, mask_token_id=None, seed=0):
+    """A torch drafter for a target of `config.json` fields `target`, with fresh weights from
+    `seed` (no checkpoint) and the target's embedding and lm_head `heads` (the fillers of
+    `dflash-worker --drafter-bench` when not given)."""
+    from .drafter import TorchDrafter
+    from .target import dtype_of
+
+    hidden, n_heads, vocab = target["hidden_size"], target["num_attention_heads"], target["vocab_size"]
+    spec = {
+        "shape": {"hidden": hidden, "intermediate": target["intermediate_size"], "layers": draft_layers,
+                  "heads": n_heads, "kv_heads": target["num_key_value_heads"],
+                  "head_dim": target.get("head_dim") or hidden // n_heads,
+                  "rms_eps": target.get("rms_norm_eps", 1e-6),
+                  "rope_theta": rope_theta or target.get("rope_theta", 1e4), "vocab": vocab},
+        "block_size": block_size, "mask_token_id": vocab - 1 if mask_token_id is None else mask_token_id,
+        "states": states, "gamma": gamma, "distill": None, "anchor_chunk": anchor_chunk,
+        "weight_decay": weight_decay, "dtype": dtype, "feature_dtype": dtype,
+    }
+    if heads is None:
+        compute = dtype_of(dtype)
+        heads = (filler(vocab, hidden, 1.0, 0.02, compute, device),
+                 filler(vocab, hidden, 1.7, 0.02, compute, device))
+    drafter = TorchDrafter(spec, heads=heads)
+    drafter.initialise(seed)
+    return drafter
+
+
 def run(req):
     import torch
 
-    from .drafter import TorchDrafter
     from .target import device_for, dtype_of
 
     device = device_for(os.environ.get("CUDA_VISIBLE_DEVICES"))
     t = req["target"]
-    hidden, heads = t["hidden_size"], t["num_attention_heads"]
+    hidden = t["hidden_size"]
     compute = dtype_of(req["dtype"])
-    spec = {
-        "shape": {"hidden": hidden, "intermediate": t["intermediate_size"],
-                  "layers": req["draft_layers"], "heads": heads,
-                  "kv_heads": t["num_key_value_heads"],
-                  "head_dim": t.get("head_dim") or hidden // heads,
-                  "rms_eps": t.get("rms_norm_eps", 1e-6), "rope_theta": t.get("rope_theta", 1e4),
-                  "vocab": t["vocab_size"]},
-        "block_size": req["block_size"], "mask_token_id": t["vocab_size"] - 1,
-        "states": len(req["target_layer_ids"]), "gamma": req.get("gamma"), "distill": None,
-        "anchor_chunk": req.get("anchor_chunk"), "weight_decay": 0.01,
-        "dtype": req["dtype"], "feature_dtype": req["dtype"],
-    }
-    vocab = t["vocab_size"]
-    heads_pair = (filler(vocab, hidden, 1.0, 0.02, compute, device),
-                  filler(vocab, hidden, 1.7, 0.02, compute, device))
-    drafter = TorchDrafter(spec, heads=heads_pair)
-    drafter.initialise(req.get("seed", 0))
+    drafter = drafter_for(t, req["draft_layers"], req["block_size"], len(req["target_layer_ids"]),
+                          req["dtype"], device, gamma=req.get("gamma"),
+                          anchor_chunk=req.get("anchor_chunk"), seed=req.get("seed", 0))
     n, length, prompt = req["sequences"], req["seq_len"], req["prompt"]
     tokens_n = n * length
     width = len(req["target_layer_ids"]) * hidden
     features = filler(tokens_n, width, 2.3, 1.0, compute, device)
     rng = random.Random(req.get("seed", 0))
-    tokens = [rng.randrange(vocab - 1) for _ in range(tokens_n)]
+    tokens = [rng.randrange(t["vocab_size"] - 1) for _ in range(tokens_n)]
     mask = [1 if i % length >= prompt else 0 for i in range(tokens_n)]
     cuda = device.type == "cuda"
 

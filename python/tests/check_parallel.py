@@ -23,21 +23,15 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from dflash_orch.bench_step import filler  # noqa: E402
-from dflash_orch.drafter import TorchDrafter  # noqa: E402
+from dflash_orch.bench_step import drafter_for  # noqa: E402
 
 VOCAB, HIDDEN, SEQ, SEQUENCES_PER_MICRO = 300, 32, 40, 2
 
 
 def drafter():
-    spec = {"shape": {"hidden": HIDDEN, "intermediate": 64, "layers": 1, "heads": 4, "kv_heads": 2,
-                      "head_dim": 8, "rms_eps": 1e-6, "rope_theta": 1e4, "vocab": VOCAB},
-            "block_size": 4, "mask_token_id": VOCAB - 1, "states": 2, "gamma": 7.0, "distill": None,
-            "anchor_chunk": None, "weight_decay": 0.01, "dtype": "f32", "feature_dtype": "f32"}
-    d = TorchDrafter(spec, heads=(filler(VOCAB, HIDDEN, 1.0, 0.02, torch.float32, torch.device("cpu")),
-                                  filler(VOCAB, HIDDEN, 1.7, 0.02, torch.float32, torch.device("cpu"))))
-    d.initialise(0)
-    return d
+    target = {"vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": 64, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 8, "rms_norm_eps": 1e-6}
+    return drafter_for(target, 1, 4, 2, "f32", torch.device("cpu"), gamma=7.0)
 
 
 def micro_batch(step, position):
