@@ -353,6 +353,95 @@ impl std::str::FromStr for Precision {
     }
 }
 
+/// Where a drafter worker stands among the run's data-parallel drafters, from the environment
+/// the orchestrator gives it ([`DrafterRank::ENV`]); one drafter when none is set.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DrafterRank {
+    pub rank: u32,
+    pub ranks: u32,
+    /// The process group's rendezvous (`HOST:PORT`), with more than one rank.
+    pub rendezvous: Option<String>,
+    /// How long forming the group and each collective may take, in seconds.
+    pub timeout_s: f64,
+}
+
+impl DrafterRank {
+    /// The variables: rank, ranks, rendezvous, timeout.
+    pub const ENV: [&'static str; 4] = [
+        "DFLASH_DRAFTER_RANK",
+        "DFLASH_DRAFTER_RANKS",
+        "DFLASH_DRAFTER_RENDEZVOUS",
+        "DFLASH_DRAFTER_TIMEOUT_S",
+    ];
+    /// The timeout when none is given.
+    pub const DEFAULT_TIMEOUT_S: f64 = 120.0;
+
+    pub fn single() -> Self {
+        Self {
+            rank: 0,
+            ranks: 1,
+            rendezvous: None,
+            timeout_s: Self::DEFAULT_TIMEOUT_S,
+        }
+    }
+
+    /// Reads the variables through `get`; a malformed or inconsistent value is an error naming it.
+    pub fn from_env(get: impl Fn(&str) -> Option<String>) -> Result<Self, String> {
+        let [rank_var, ranks_var, rendezvous_var, timeout_var] = Self::ENV;
+        let number = |name: &str| -> Result<Option<u32>, String> {
+            get(name)
+                .map(|v| {
+                    v.trim()
+                        .parse::<u32>()
+                        .map_err(|_| format!("{name}={v:?} is not a whole number"))
+                })
+                .transpose()
+        };
+        let (Some(rank), Some(ranks)) = (number(rank_var)?, number(ranks_var)?) else {
+            if get(rank_var).is_some() || get(ranks_var).is_some() {
+                return Err(format!("{rank_var} and {ranks_var} go together"));
+            }
+            return Ok(Self::single());
+        };
+        if ranks == 0 || rank >= ranks {
+            return Err(format!(
+                "{rank_var}={rank} is not a rank of {ranks_var}={ranks} drafters"
+            ));
+        }
+        let rendezvous = get(rendezvous_var);
+        if let Some(r) = &rendezvous {
+            let port = r.rsplit_once(':').and_then(|(host, port)| {
+                (!host.is_empty()).then_some(())?;
+                port.parse::<u16>().ok().filter(|&p| p > 0)
+            });
+            if port.is_none() {
+                return Err(format!("{rendezvous_var}={r:?} is not HOST:PORT"));
+            }
+        } else if ranks > 1 {
+            return Err(format!(
+                "{ranks_var}={ranks} drafters need {rendezvous_var} (HOST:PORT)"
+            ));
+        }
+        let timeout_s = match get(timeout_var) {
+            None => Self::DEFAULT_TIMEOUT_S,
+            Some(v) => v
+                .trim()
+                .parse::<f64>()
+                .ok()
+                .filter(|t| t.is_finite() && *t > 0.0)
+                .ok_or_else(|| {
+                    format!("{timeout_var}={v:?} is not a positive number of seconds")
+                })?,
+        };
+        Ok(Self {
+            rank,
+            ranks,
+            rendezvous,
+            timeout_s,
+        })
+    }
+}
+
 /// Fingerprint fields added after checkpoints first carried a fingerprint, each with what it
 /// covers. A checkpoint written before a field existed lacks it: that field cannot be checked
 /// against it, and only that absence is forgiven (a field the checkpoint has must still match).
@@ -962,5 +1051,75 @@ mod tests {
         let e = read_config(&dir).unwrap_err().to_string();
         assert!(e.contains("too large"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_drafter_rank_is_read_from_the_environment_and_bad_values_are_named() {
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |name: &str| {
+                pairs
+                    .iter()
+                    .find(|(k, _)| *k == name)
+                    .map(|(_, v)| (*v).to_owned())
+            }
+        };
+        assert_eq!(
+            DrafterRank::from_env(env(&[])).unwrap(),
+            DrafterRank::single()
+        );
+        let r = DrafterRank::from_env(env(&[
+            ("DFLASH_DRAFTER_RANK", "1"),
+            ("DFLASH_DRAFTER_RANKS", "2"),
+            ("DFLASH_DRAFTER_RENDEZVOUS", "127.0.0.1:29500"),
+            ("DFLASH_DRAFTER_TIMEOUT_S", "30"),
+        ]))
+        .unwrap();
+        assert_eq!((r.rank, r.ranks, r.timeout_s), (1, 2, 30.0));
+        assert_eq!(r.rendezvous.as_deref(), Some("127.0.0.1:29500"));
+        for (bad, says) in [
+            (&[("DFLASH_DRAFTER_RANK", "1")][..], "go together"),
+            (
+                &[("DFLASH_DRAFTER_RANK", "x"), ("DFLASH_DRAFTER_RANKS", "2")][..],
+                "\"x\" is not a whole number",
+            ),
+            (
+                &[("DFLASH_DRAFTER_RANK", "2"), ("DFLASH_DRAFTER_RANKS", "2")][..],
+                "not a rank of",
+            ),
+            (
+                &[("DFLASH_DRAFTER_RANK", "0"), ("DFLASH_DRAFTER_RANKS", "2")][..],
+                "need DFLASH_DRAFTER_RENDEZVOUS",
+            ),
+            (
+                &[
+                    ("DFLASH_DRAFTER_RANK", "0"),
+                    ("DFLASH_DRAFTER_RANKS", "2"),
+                    ("DFLASH_DRAFTER_RENDEZVOUS", "nohost"),
+                ][..],
+                "not HOST:PORT",
+            ),
+            (
+                &[
+                    ("DFLASH_DRAFTER_RANK", "0"),
+                    ("DFLASH_DRAFTER_RANKS", "2"),
+                    ("DFLASH_DRAFTER_RENDEZVOUS", ":80"),
+                ][..],
+                "not HOST:PORT",
+            ),
+            (
+                &[
+                    ("DFLASH_DRAFTER_RANK", "0"),
+                    ("DFLASH_DRAFTER_RANKS", "2"),
+                    ("DFLASH_DRAFTER_RENDEZVOUS", "h:1"),
+                    ("DFLASH_DRAFTER_TIMEOUT_S", "-3"),
+                ][..],
+                "positive number of seconds",
+            ),
+        ] {
+            let pairs: &'static [(&'static str, &'static str)] =
+                Box::leak(bad.to_vec().into_boxed_slice());
+            let e = DrafterRank::from_env(env(pairs)).unwrap_err();
+            assert!(e.contains(says), "{e}");
+        }
     }
 }

@@ -6,7 +6,7 @@ use ipc_channel::ipc::{IpcReceiver, IpcSender};
 use serde::{Deserialize, Serialize};
 
 /// Bumped on any change to these messages or to the ring layout.
-pub const PROTOCOL: u32 = 4;
+pub const PROTOCOL: u32 = 5;
 
 /// What a worker does in the run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -79,6 +79,12 @@ impl Group {
     pub fn is_last(self) -> bool {
         self.index + 1 == self.len
     }
+
+    /// With `ranks` data-parallel drafters (rank `index % ranks` trains a batch): whether no
+    /// later batch of the group goes to this batch's rank, so that the rank steps after it.
+    pub fn is_last_of_rank(self, ranks: u32) -> bool {
+        self.index + ranks.max(1) >= self.len
+    }
 }
 
 /// Orchestrator -> worker.
@@ -101,6 +107,10 @@ pub enum Job {
         /// the drafter skips the step without checking them again.
         nonfinite: Option<String>,
     },
+    /// Data-parallel drafters: the accumulation group ending with batch `id` holds no batch for
+    /// this drafter rank (a short last group of an epoch); it takes part in the group's
+    /// optimiser step with no gradient of its own.
+    Step { id: BatchId, group: Group },
     /// Finish and exit (a drafter writes its final checkpoint first).
     Stop,
 }
@@ -158,6 +168,8 @@ pub enum Event {
         checksum: u32,
         metrics: Option<TrainMetrics>,
     },
+    /// A [`Job::Step`] is done.
+    Stepped { id: BatchId, update: Update },
     /// The job could not be done: the run fails with this reason.
     Failed { id: Option<BatchId>, reason: String },
 }

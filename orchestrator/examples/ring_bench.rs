@@ -233,6 +233,10 @@ fn consumer(name: String, ring_path: &Path) -> Result<(), String> {
         let job = jobs.recv().map_err(|e| format!("lost the feeder: {e}"))?;
         let reply = match job {
             Job::Stop => break,
+            Job::Step { id, .. } => Event::Failed {
+                id: Some(id),
+                reason: "this bench has one drafter".into(),
+            },
             Job::Train { id, checksum, .. } => Event::Trained {
                 id,
                 checksum,

@@ -462,6 +462,18 @@ class TorchDrafter:
         return out
 
     @torch.no_grad()
+    def check_replicas(self):
+        """Data-parallel drafters (a collective call): raises when some rank's weights differ
+        from rank 0's, naming the first tensor that does and the rank."""
+        sums = self.group.checksums([self.P[n].detach() for n in self.names])
+        for rank, theirs in enumerate(sums[1:], start=1):
+            for name, a, b in zip(self.names, sums[0], theirs):
+                if a != b:
+                    raise ValueError(
+                        f"drafter rank {rank}'s {name} differs from rank 0's (checksums {b} and "
+                        f"{a}): the replicas drifted apart")
+
+    @torch.no_grad()
     def step(self, lr, clip, skip):
         """Ends a group: drops the gradients with `skip`; else clips them to the norm `clip`
         and, when that norm is finite, steps AdamW (the candle drafter's formula). With a

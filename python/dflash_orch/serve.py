@@ -19,13 +19,17 @@ Requests:
 - `{"op": "init", "role": "drafter", "model": DIR, "names": [...], "shape": {...},
   "block_size": B, "mask_token_id": M, "states": n, "gamma": g|null, "distill": [share, T]|null,
   "anchor_chunk": c|null, "weight_decay": wd, "dtype", "feature_dtype", "ring", "weights": DIR,
-  "adam_t": t, "threads"}` -> loads the drafter (`dflash_orch.drafter`) with the weights and
-  moments in `weights` (a checkpoint's `model.safetensors` and `optimizer.safetensors`).
+  "adam_t": t, "threads", "group": null|{"rank", "world", "address", "port", "timeout_s"}}` ->
+  loads the drafter (`dflash_orch.drafter`) with the weights and moments in `weights` (a
+  checkpoint's `model.safetensors` and `optimizer.safetensors`); with `group`, joins the
+  data-parallel drafters' process group (`dflash_orch.parallel`).
 - `{"op": "train", "offset", "bytes", "tokens": [...], "loss_mask": [...], "width": W,
   "sequences": [[start, length, [anchor, ...]], ...], "accum": k}` -> forward and backward of one
   micro-batch, `{"loss", "weight", "anchors", "correct": [...], "counted": [...]}`.
 - `{"op": "step", "lr", "clip", "skip"}` -> `{"grad_norm": g|null}` or `{"nonfinite": NAME}`.
 - `{"op": "snapshot", "dir": DIR}` -> writes the weights and moments there, `{"adam_t": t}`.
+- `{"op": "check_replicas"}` -> data-parallel drafters (every rank at once): `{}` when every
+  rank's weights have rank 0's checksums, else an error naming the first tensor that differs.
 
 A request that cannot be done answers `{"ok": false, "error": "..."}` and the child goes on; a
 request it cannot read ends it (exit 2). End of input ends it (exit 0).
@@ -82,6 +86,14 @@ class Server:
             from .drafter import TorchDrafter
 
             self.drafter = TorchDrafter(req)
+            group = req.get("group")
+            if group:
+                from .parallel import Group
+
+                self.drafter.group = Group(
+                    int(group["rank"]), int(group["world"]), str(group["address"]),
+                    int(group["port"]), self.drafter.device,
+                    float(group.get("timeout_s") or 120.0))
             return {
                 "protocol": PROTOCOL,
                 "attention": self.drafter.attention,
@@ -175,6 +187,12 @@ class Server:
             raise Refused("snapshot before init")
         return {"adam_t": self.drafter.save(req["dir"])}
 
+    def check_replicas(self, req):
+        if self.drafter is None or self.drafter.group is None:
+            raise Refused("check_replicas without a process group")
+        self.drafter.check_replicas()
+        return {}
+
 
 def main():
     answers = _answer_channel()
@@ -191,7 +209,7 @@ def main():
         try:
             if op == "init":
                 reply = server.init(req)
-            elif op in ("forward", "train", "step", "snapshot"):
+            elif op in ("forward", "train", "step", "snapshot", "check_replicas"):
                 reply = getattr(server, op)(req)
             else:
                 raise Refused(f"unknown op {op!r}")

@@ -13,7 +13,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
-use dflash_common::dflash::{DflashSettings, Engine, NonFinite, Precision};
+use dflash_common::dflash::{DflashSettings, DrafterRank, Engine, NonFinite, Precision};
 use dflash_common::ring::{
     Layout, Ring, features_offset, read_lengths, read_masks, read_tokens, token_checksum,
 };
@@ -404,6 +404,12 @@ pub trait DrafterCompute {
     /// when their norm is finite, steps AdamW at `lr`.
     fn step(&mut self, lr: f64, clip: f64, skip: bool) -> Result<Stepped, String>;
 
+    /// Data-parallel drafters: checks that every rank holds the same weights as rank 0 (a
+    /// checksum per tensor, gathered from every rank; a collective call).
+    fn check_replicas(&mut self) -> Result<(), String> {
+        Ok(())
+    }
+
     /// Copies the weights and the moments for a checkpoint holding `state` and `config`.
     fn snapshot(
         &mut self,
@@ -556,8 +562,12 @@ pub struct DrafterStage {
     epoch: u32,
     saved_step: u64,
     resumed_step: u64,
-    /// Micro-batches of the current group done.
+    /// Micro-batches of the current group done (by this rank).
     micro: usize,
+    /// This drafter's rank among the run's data-parallel drafters: it trains the batches at
+    /// positions `rank`, `rank + ranks`, ... of each accumulation group, and only rank 0 writes
+    /// checkpoints.
+    rank: DrafterRank,
     group_loss: f64,
     /// Why the optimiser step of the current group is to be skipped (`--on-nonfinite skip`).
     skip: Option<String>,
@@ -612,21 +622,36 @@ impl DrafterStage {
             checkpoint::fits(snapshot, &config).map_err(misfit)?;
         }
         let hf_config = checkpoint::hf_config(&config, &target);
+        let rank = DrafterRank::from_env(|name| std::env::var(name).ok())?;
         let compute: Box<dyn DrafterCompute> = match settings.engines.drafter {
+            Engine::Candle if rank.ranks > 1 => {
+                return Err(format!(
+                    "{} data-parallel drafters need the torch engine (--engine torch); the candle drafter trains alone",
+                    rank.ranks
+                ));
+            }
             Engine::Candle => Box::new(CandleDrafter::new(settings, config, resume)?),
             Engine::Torch => Box::new(crate::torch::DrafterEngine::new(
                 settings,
                 &config,
                 resume,
                 feature_ring,
+                &rank,
             )?),
         };
         let (step, cursor, epoch) = resume.map_or((0, 0, 0), |s| {
             (s.state.step, s.state.plan_cursor, s.state.epoch)
         });
         drop(latest);
-        let writer = checkpoint::Writer::start(root.clone(), settings.keep_checkpoints)
-            .map_err(|e| format!("cannot start the checkpoint writer: {e}"))?;
+        // Rank 0 alone writes (and prunes) checkpoints.
+        let writer = if rank.rank == 0 {
+            Some(
+                checkpoint::Writer::start(root.clone(), settings.keep_checkpoints)
+                    .map_err(|e| format!("cannot start the checkpoint writer: {e}"))?,
+            )
+        } else {
+            None
+        };
         let width = settings.feature_width(&target) as usize;
         Ok(Self {
             schedule: Schedule {
@@ -638,7 +663,7 @@ impl DrafterStage {
             feature_bytes: width * dtype(settings.feature_dtype).size_in_bytes(),
             settings: settings.clone(),
             compute,
-            writer: Some(writer),
+            writer,
             hf_config,
             step,
             cursor,
@@ -648,10 +673,21 @@ impl DrafterStage {
             micro: 0,
             group_loss: 0.0,
             skip: None,
+            rank,
         })
     }
 
-    fn save(&mut self) -> Result<(), String> {
+    /// Checkpoints the weights of the current step: rank 0 writes them; with `check`, every rank
+    /// first compares its weights with rank 0's (a collective call: every rank saves at the
+    /// same steps).
+    fn save(&mut self, check: bool) -> Result<(), String> {
+        if self.rank.ranks > 1 && check {
+            self.compute.check_replicas()?;
+        }
+        if self.rank.rank != 0 {
+            self.saved_step = self.step;
+            return Ok(());
+        }
         let snapshot = self.compute.snapshot(
             TrainingState {
                 step: self.step,
@@ -668,6 +704,47 @@ impl DrafterStage {
         }
         self.saved_step = self.step;
         Ok(())
+    }
+
+    /// Ends this rank's part of an accumulation group, which ends before plan position `end`:
+    /// the optimiser step (collective with data-parallel drafters), the checkpoint when due.
+    fn end_group(&mut self, end: u64, epoch: u32, at_batch: &str) -> Result<Update, String> {
+        let lr = self.schedule.lr(self.step);
+        let stepped = self
+            .compute
+            .step(lr, self.settings.clip, self.skip.is_some())?;
+        let grad_norm = match stepped {
+            Stepped::Applied { grad_norm } => grad_norm,
+            Stepped::Nothing => 0.0,
+            Stepped::NonFinite(name) => {
+                self.nonfinite(format!(
+                    "the gradient of {name} is not finite at step {} (the group ending with {at_batch})",
+                    self.step + 1
+                ))?;
+                0.0
+            }
+        };
+        let skipped = self.skip.take();
+        self.micro = 0;
+        self.step += 1;
+        self.cursor = end;
+        self.epoch = epoch;
+        let checkpoint = self.step.is_multiple_of(self.settings.save_every)
+            || self
+                .settings
+                .eval_every
+                .is_some_and(|n| n > 0 && self.step.is_multiple_of(n));
+        if checkpoint {
+            self.save(true)?;
+        }
+        Ok(Update {
+            step: self.step,
+            lr,
+            grad_norm,
+            loss: std::mem::take(&mut self.group_loss),
+            checkpoint,
+            skipped,
+        })
     }
 
     /// A NaN or infinity found, `what` and where: the run stops (an error naming it), or with
@@ -724,9 +801,12 @@ impl Stage for DrafterStage {
     ) -> Result<(u32, Option<TrainMetrics>), String> {
         let started = Instant::now();
         self.check_writer()?;
-        if group.index as usize != self.micro || id.step != self.cursor + u64::from(group.index) {
+        let (rank, ranks) = (self.rank.rank as usize, self.rank.ranks as usize);
+        if group.index as usize != rank + self.micro * ranks
+            || id.step != self.cursor + u64::from(group.index)
+        {
             return Err(format!(
-                "out of plan order: the drafter is at plan position {} (+{} micro-batches), the job is step {} (position {} of its group)",
+                "out of plan order: the drafter (rank {rank} of {ranks}) is at plan position {} (+{} micro-batches), the job is step {} (position {} of its group)",
                 self.cursor, self.micro, id.step, group.index
             ));
         }
@@ -811,43 +891,9 @@ impl Stage for DrafterStage {
             (batch.loss, batch.anchors, batch.correct, batch.counted);
         self.group_loss += loss / f64::from(group.len);
         let mut update = None;
-        if group.is_last() {
-            let lr = self.schedule.lr(self.step);
-            let stepped = self
-                .compute
-                .step(lr, self.settings.clip, self.skip.is_some())?;
-            let grad_norm = match stepped {
-                Stepped::Applied { grad_norm } => grad_norm,
-                Stepped::Nothing => 0.0,
-                Stepped::NonFinite(name) => {
-                    self.nonfinite(format!(
-                        "the gradient of {name} is not finite at step {} (the group ending with {at_batch})",
-                        self.step + 1
-                    ))?;
-                    0.0
-                }
-            };
-            let skipped = self.skip.take();
-            self.micro = 0;
-            self.step += 1;
-            self.cursor = id.step + 1;
-            self.epoch = id.epoch;
-            let checkpoint = self.step.is_multiple_of(self.settings.save_every)
-                || self
-                    .settings
-                    .eval_every
-                    .is_some_and(|n| n > 0 && self.step.is_multiple_of(n));
-            if checkpoint {
-                self.save()?;
-            }
-            update = Some(Update {
-                step: self.step,
-                lr,
-                grad_norm,
-                loss: std::mem::take(&mut self.group_loss),
-                checkpoint,
-                skipped,
-            });
+        if group.is_last_of_rank(self.rank.ranks) {
+            let end = id.step - u64::from(group.index) + u64::from(group.len);
+            update = Some(self.end_group(end, id.epoch, &at_batch)?);
         }
         Ok((
             found,
@@ -862,9 +908,28 @@ impl Stage for DrafterStage {
         ))
     }
 
+    fn step_only(&mut self, id: BatchId, group: Group) -> Result<Update, String> {
+        self.check_writer()?;
+        let (rank, ranks) = (self.rank.rank, self.rank.ranks);
+        let start = (id.step + 1).checked_sub(u64::from(group.len));
+        if ranks < 2 || rank < group.len || self.micro != 0 || start != Some(self.cursor) {
+            return Err(format!(
+                "out of plan order: the drafter (rank {rank} of {ranks}) is at plan position {} (+{} micro-batches), the step job is for the group of {} batches ending at step {}",
+                self.cursor, self.micro, group.len, id.step
+            ));
+        }
+        let at_batch = format!(
+            "batch {} of epoch {} (step {})",
+            id.batch, id.epoch, id.step
+        );
+        self.end_group(id.step + 1, id.epoch, &at_batch)
+    }
+
     fn stop(&mut self) -> Result<(), String> {
         if self.step > self.saved_step {
-            self.save()?;
+            // The ranks stop at one step boundary with the same weights (every step is
+            // collective); no collective check here, where a rank may be gone already.
+            self.save(false)?;
         }
         let Some(writer) = self.writer.take() else {
             return Ok(());

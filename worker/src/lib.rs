@@ -329,6 +329,13 @@ pub fn run(args: WorkerArgs) -> Result<(), WorkerError> {
                     reason,
                 },
             },
+            Job::Step { id, group } => match stage.step_only(id, group) {
+                Ok(update) => Event::Stepped { id, update },
+                Err(reason) => Event::Failed {
+                    id: Some(id),
+                    reason,
+                },
+            },
         };
         events.send(reply).map_err(|e| lost(&e))?;
         events.send(Event::Ready).map_err(|e| lost(&e))?;

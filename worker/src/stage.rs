@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use dflash_common::ring::{
     Layout, Ring, SlotMeta, read_lengths, read_masks, read_tokens, token_checksum, write_batch,
 };
-use dflash_common::wire::{BatchId, Group, SlotRef, TrainMetrics};
+use dflash_common::wire::{BatchId, Group, SlotRef, TrainMetrics, Update};
 
 /// What a worker computes: the synthetic stage, or the DFlash target and drafter.
 pub trait Stage {
@@ -34,6 +34,12 @@ pub trait Stage {
         _nonfinite: Option<&str>,
     ) -> Result<(u32, Option<TrainMetrics>), String> {
         Err("a target worker got a training job".into())
+    }
+
+    /// Data-parallel drafters: takes part in the optimiser step of the group ending with `id`,
+    /// which holds no batch for this rank.
+    fn step_only(&mut self, _id: BatchId, _group: Group) -> Result<Update, String> {
+        Err("a worker that trains no drafter got a step job".into())
     }
 
     /// Where a stateful drafter resumes: (plan cursor, optimiser step).

@@ -18,7 +18,7 @@ use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 
-use dflash_common::dflash::{DflashSettings, TorchRuntime};
+use dflash_common::dflash::{DflashSettings, DrafterRank, TorchRuntime};
 use dflash_common::ring::{Ring, features_offset};
 use dflash_common::wire::SlotRef;
 use serde_json::{Value, json};
@@ -264,6 +264,7 @@ impl DrafterEngine {
         config: &DrafterConfig,
         resume: Option<&Snapshot>,
         feature_ring: &Path,
+        rank: &DrafterRank,
     ) -> Result<Self, String> {
         let runtime = settings.torch.as_ref().ok_or(
             "the torch engine was chosen, but the settings say no Python (a stale dflash.json?)",
@@ -329,6 +330,7 @@ impl DrafterEngine {
             "weights": engine.exchange,
             "adam_t": adam_t,
             "threads": threads(),
+            "group": group_request(rank),
         }));
         let _ = std::fs::remove_dir_all(&engine.exchange);
         let init = init?;
@@ -346,6 +348,23 @@ impl Drop for DrafterEngine {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.exchange);
     }
+}
+
+/// The process group of data-parallel drafters, for the child's `init` (null: one drafter).
+fn group_request(rank: &DrafterRank) -> Value {
+    let Some((address, port)) = rank.rendezvous.as_deref().and_then(|r| r.rsplit_once(':')) else {
+        return Value::Null;
+    };
+    if rank.ranks < 2 {
+        return Value::Null;
+    }
+    json!({
+        "rank": rank.rank,
+        "world": rank.ranks,
+        "address": address.trim_start_matches('[').trim_end_matches(']'),
+        "port": port.parse::<u16>().unwrap_or(0),
+        "timeout_s": rank.timeout_s,
+    })
 }
 
 /// Threads for the child: the worker's own setting (`RAYON_NUM_THREADS`), else the child's
@@ -424,6 +443,11 @@ impl crate::dflash::DrafterCompute for DrafterEngine {
             Some(grad_norm) => Stepped::Applied { grad_norm },
             None => Stepped::Nothing,
         })
+    }
+
+    fn check_replicas(&mut self) -> Result<(), String> {
+        self.child.request(&json!({"op": "check_replicas"}))?;
+        Ok(())
     }
 
     fn snapshot(&mut self, state: TrainingState, config: Value) -> Result<Snapshot, String> {

@@ -43,7 +43,9 @@ pub struct LaunchArgs {
     #[arg(long, value_name = "US", default_value_t = 0.0, value_parser = options::real(0.0, 1e6, " microseconds"))]
     pub synthetic_us_per_token: f64,
 
-    /// T:D, T target workers and D drafter workers [default: all but one are targets].
+    /// T:D, T target workers and D drafter workers [default: all but one are targets]. D > 1
+    /// with --stage dflash trains the drafter data-parallel on the torch engine (--engine torch):
+    /// the D drafters form one torch.distributed group and split each accumulation group.
     #[arg(long, value_name = "T:D")]
     pub topology: Option<String>,
 
@@ -93,7 +95,7 @@ pub struct LaunchArgs {
 
     /// Continue the run in --run-dir from its journal. Its options come from the journal: an
     /// option given again must have the journal's value, except those that may change on resume:
-    /// --gpus and --topology (the number of target workers; one drafter), --metrics-addr,
+    /// --gpus and --topology (the number of target workers, not of drafters), --metrics-addr,
     /// --job-timeout, --stop-grace, --heartbeat-timeout, --monitor-interval, --max-restarts,
     /// --restart-window, --synthetic-us-per-token, --on-nonfinite, --eval-every,
     /// --eval-max-new-tokens, --eval-prompts (another file, not in place of held-out

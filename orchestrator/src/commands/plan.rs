@@ -93,7 +93,9 @@ pub struct PlannerFlags {
     #[arg(long, value_name = "POLICY")]
     pub interleave: Option<Interleave>,
 
-    /// Gradient accumulation steps (micro-batches per optimizer step).
+    /// Gradient accumulation steps: micro-batches per optimizer step in total, whatever the
+    /// number of drafters (with D data-parallel drafters, each trains every D-th micro-batch of
+    /// a group; --accum must be at least D).
     #[arg(long, value_name = "N", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub accum: u32,
 

@@ -44,12 +44,21 @@ pub enum Lease {
         batch: usize,
         feature: u32,
     },
+    /// A data-parallel drafter's part in the step of a short last group holding no batch of
+    /// its rank ([`Assignment::ByPosition`]): `key` is the rank's place in that group (past the
+    /// epoch's end), `era` the epoch entry it belongs to (the lease may outlive the epoch).
+    Step {
+        key: usize,
+        era: u64,
+    },
 }
 
 impl Lease {
+    /// The batch of the lease (a step's: the epoch's last).
     pub fn batch(self) -> usize {
         match self {
             Lease::Forward { batch, .. } | Lease::Train { batch, .. } => batch,
+            Lease::Step { key, .. } => key,
         }
     }
 }
@@ -119,6 +128,9 @@ pub struct Dispatch {
     rank_next: Vec<usize>,
     assignment: Assignment,
     next_commit: usize,
+    /// Where the epoch was entered, and how many entries there were.
+    entered: usize,
+    era: u64,
     input_slots: Vec<InSlot>,
     input_generation: Vec<u64>,
     feature_slots: Vec<FeatSlot>,
@@ -138,6 +150,8 @@ impl Dispatch {
             rank_next: Vec::new(),
             assignment: Assignment::Any,
             next_commit: 0,
+            entered: 0,
+            era: 0,
             input_slots: vec![InSlot::Free; input_slots],
             input_generation: vec![0; input_slots],
             feature_slots: vec![FeatSlot::Free; feature_slots],
@@ -156,9 +170,17 @@ impl Dispatch {
     }
 
     /// An empty pipeline positioned at `batch` of an epoch of `batches` batches: nothing fed,
-    /// queued or leased. Call only when no worker holds a lease.
+    /// queued or leased. Call only when no worker holds a lease but a data-parallel drafter's
+    /// step of the epoch left (its answer may come after the last commit).
     pub fn enter(&mut self, batches: usize, batch: usize) {
-        debug_assert!(!self.holds_leases(), "entering with leases outstanding");
+        debug_assert!(
+            self.leases
+                .iter()
+                .all(|l| matches!(l, None | Some(Lease::Step { .. }))),
+            "entering with leases outstanding"
+        );
+        self.entered = batch;
+        self.era += 1;
         self.batches = batches;
         self.batch_input = vec![u32::MAX; batches];
         self.next_feed = batch;
@@ -174,7 +196,12 @@ impl Dispatch {
     /// The next batch to feed and the free input slot it goes to, now marked filled; its
     /// generation is bumped (the caller writes the batch, then publishes with `generation`).
     pub fn feed(&mut self) -> Option<(usize, u32, u64)> {
-        if self.next_feed >= self.batches {
+        self.feed_below(usize::MAX)
+    }
+
+    /// [`Dispatch::feed`], of batches before `limit` only.
+    pub fn feed_below(&mut self, limit: usize) -> Option<(usize, u32, u64)> {
+        if self.next_feed >= self.batches.min(limit) {
             return None;
         }
         let slot = self.input_slots.iter().position(|s| *s == InSlot::Free)?;
@@ -237,8 +264,9 @@ impl Dispatch {
         Ok(batch)
     }
 
-    /// The next batch drafter rank `rank` is to train, from its cursor on (`None`: none left in
-    /// the epoch).
+    /// Drafter rank `rank`'s next place in plan order, from its cursor on: a batch to train
+    /// (below the epoch's size), or its place in a short last group that holds no batch of its
+    /// (at or past the size: the rank takes part in that group's step). `None`: nothing left.
     fn next_of_rank(&self, rank: usize) -> Option<usize> {
         let Assignment::ByPosition {
             drafters, accum, ..
@@ -254,12 +282,89 @@ impl Dispatch {
         let (group, pos) = (from / accum, from % accum);
         // The first position from `pos` on that is `rank` modulo `drafters`.
         let p = pos + (rank + drafters - pos % drafters) % drafters;
-        let batch = if p < accum {
+        let at = if p < accum {
             group * accum + p
         } else {
             (group + 1) * accum + rank
         };
-        (batch < self.batches).then_some(batch)
+        if at < self.batches {
+            return Some(at);
+        }
+        // Past the end: its group exists, starts after the entry (a group before it is done),
+        // and this is the rank's first place in it.
+        let start = at - at % accum;
+        (start < self.batches && start >= self.entered && at % accum == rank).then_some(at)
+    }
+
+    /// The end of the accumulation group of plan place `at` (a step's place included).
+    fn group_end(&self, at: usize) -> usize {
+        let accum = match self.assignment {
+            Assignment::ByPosition { accum, .. } => accum.max(1),
+            Assignment::Any => 1,
+        };
+        (at - at % accum + accum).min(self.batches)
+    }
+
+    /// Data-parallel drafters: the step boundary they can all stop at, the end of the furthest
+    /// group any rank has started (the epoch's entry when none has).
+    pub fn step_boundary(&self) -> usize {
+        match self.rank_next.iter().max() {
+            Some(&next) if next > self.entered => self.group_end(next - 1),
+            _ => self.entered,
+        }
+    }
+
+    /// Whether every data-parallel drafter rank stands at [`Dispatch::step_boundary`]: none
+    /// holds work, and none has a batch or a step left before it (always true for
+    /// [`Assignment::Any`]).
+    pub fn drafters_at_step_boundary(&self) -> bool {
+        let Assignment::ByPosition {
+            first, drafters, ..
+        } = self.assignment
+        else {
+            return true;
+        };
+        let boundary = self.step_boundary();
+        let accum = match self.assignment {
+            Assignment::ByPosition { accum, .. } => accum.max(1),
+            Assignment::Any => 1,
+        };
+        (0..drafters).all(|rank| {
+            self.leases.get(first + rank).is_none_or(Option::is_none)
+                && self
+                    .next_of_rank(rank)
+                    .is_none_or(|at| at - at % accum >= boundary)
+        })
+    }
+
+    /// Leases data-parallel drafter `worker` its part in the step of a short last group that
+    /// holds no batch of its rank, when that is its next place; returns the epoch's last batch.
+    pub fn lease_step(&mut self, worker: usize) -> Option<usize> {
+        let Assignment::ByPosition {
+            first, drafters, ..
+        } = self.assignment
+        else {
+            return None;
+        };
+        if self.leases[worker].is_some() {
+            return None;
+        }
+        let rank = worker.checked_sub(first).filter(|&r| r < drafters)?;
+        let key = self.next_of_rank(rank).filter(|&at| at >= self.batches)?;
+        self.rank_next[rank] = key + 1;
+        self.leases[worker] = Some(Lease::Step { key, era: self.era });
+        Some(self.batches - 1)
+    }
+
+    /// Drafter `worker` took part in its step.
+    pub fn stepped(&mut self, worker: usize) -> Result<(), NotLeased> {
+        match self.leases[worker] {
+            Some(Lease::Step { .. }) => {
+                self.leases[worker] = None;
+                Ok(())
+            }
+            _ => Err(NotLeased),
+        }
     }
 
     /// Leases drafter `worker` its next batch in plan order (the next of all with
@@ -282,7 +387,7 @@ impl Dispatch {
             } => {
                 let rank = worker.checked_sub(first).filter(|&r| r < drafters)?;
                 let batch = self.next_of_rank(rank)?;
-                if !self.to_train.contains(&batch) {
+                if batch >= self.batches || !self.to_train.contains(&batch) {
                     return None; // its rank's next, strictly in plan order
                 }
                 batch
@@ -368,6 +473,11 @@ impl Dispatch {
                 match self.assignment.rank_of(batch) {
                     None => self.next_train = self.next_train.min(batch),
                     Some(rank) => self.rank_next[rank] = self.rank_next[rank].min(batch),
+                }
+            }
+            Lease::Step { key, era } => {
+                if let (true, Some(rank)) = (era == self.era, self.assignment.rank_of(key)) {
+                    self.rank_next[rank] = self.rank_next[rank].min(key);
                 }
             }
         }
@@ -485,6 +595,9 @@ mod tests {
                 Lease::Train { batch, feature } => {
                     assert_eq!(d.feature_slots[feature as usize], FeatSlot::Training(batch));
                 }
+                Lease::Step { key, .. } => {
+                    assert!(key >= d.batches, "a step lease inside the epoch: {key}");
+                }
             }
         }
         // Every slot in use belongs to a batch that is fed and not committed.
@@ -516,12 +629,15 @@ mod tests {
             Dispatch::new(2 * targets + 1, 2 * targets + 2, workers).with_assignment(assignment);
         d.enter(batches, 0);
         let mut commits: Vec<usize> = Vec::new();
-        // Per drafter, the last batch it was given since its last restart.
+        // Per drafter, the last batch it was given since its last restart, and whether it took
+        // part in the step of a short last group holding none of its batches.
         let mut last: Vec<Option<usize>> = vec![None; drafters];
+        let mut stepped = vec![false; drafters];
         let apply = |d: &mut Dispatch,
                      op: &Op,
                      commits: &mut Vec<usize>,
-                     last: &mut Vec<Option<usize>>| {
+                     last: &mut Vec<Option<usize>>,
+                     stepped: &mut Vec<bool>| {
             match *op {
                 Op::Feed => {
                     d.feed();
@@ -549,10 +665,26 @@ mod tests {
                             );
                         }
                         last[rank] = Some(job.batch);
+                    } else if let Some(last_batch) = d.lease_step(targets + rank) {
+                        let Assignment::ByPosition { accum, .. } = assignment else {
+                            panic!("a step lease without data-parallel drafters");
+                        };
+                        let len = batches - (batches - 1) / accum * accum;
+                        assert_eq!(last_batch, batches - 1);
+                        assert!(
+                            rank >= len,
+                            "rank {rank} has a batch in the last group of {len}"
+                        );
+                        assert!(!stepped[rank], "rank {rank} given the step twice");
                     }
                 }
                 Op::Train(n) => {
-                    let _ = d.trained(targets + n % drafters);
+                    let w = targets + n % drafters;
+                    if d.stepped(w).is_ok() {
+                        stepped[n % drafters] = true;
+                    } else {
+                        let _ = d.trained(w);
+                    }
                 }
                 Op::Commit => {
                     while let Some(b) = d.commit_next() {
@@ -573,8 +705,10 @@ mod tests {
                         d.reclaim(w);
                     }
                     last.fill(None);
+                    stepped.fill(false);
+                    // A drafter resumes inside the epoch (its end is the next one's start).
                     let back = n % (commits.len() + 1);
-                    let to = commits.len() - back;
+                    let to = (commits.len() - back).min(batches - 1);
                     commits.truncate(to);
                     d.enter(batches, to);
                 }
@@ -582,7 +716,7 @@ mod tests {
             check(d);
         };
         for op in ops {
-            apply(&mut d, op, &mut commits, &mut last);
+            apply(&mut d, op, &mut commits, &mut last, &mut stepped);
         }
         // Then run to the end without faults: everything must complete.
         let mut finish = vec![
@@ -597,7 +731,7 @@ mod tests {
         let mut rounds = 0;
         while commits.len() < batches {
             for op in &finish {
-                apply(&mut d, op, &mut commits, &mut last);
+                apply(&mut d, op, &mut commits, &mut last, &mut stepped);
             }
             // Other targets' leases from the faulted phase: finish them too.
             for t in 0..targets {
@@ -605,6 +739,32 @@ mod tests {
             }
             rounds += 1;
             assert!(rounds < 10 * batches + 100, "the pipeline stalled");
+        }
+        // The ranks without a batch in a short last group take part in its step; then every
+        // rank stands at the epoch's end.
+        for r in 0..drafters {
+            apply(
+                &mut d,
+                &Op::LeaseTrain(r),
+                &mut commits,
+                &mut last,
+                &mut stepped,
+            );
+            apply(&mut d, &Op::Train(r), &mut commits, &mut last, &mut stepped);
+        }
+        if let Assignment::ByPosition { accum, .. } = assignment {
+            let len = batches - (batches - 1) / accum * accum;
+            for (rank, &done) in stepped.iter().enumerate() {
+                // A rewind after the step voids it; one into the last group brings it back.
+                if rank >= len && d.entered <= (batches - 1) / accum * accum {
+                    assert!(
+                        done,
+                        "rank {rank} never stepped with the short last group of {len}"
+                    );
+                }
+            }
+            assert!(d.drafters_at_step_boundary());
+            assert_eq!(d.step_boundary(), batches.max(d.entered));
         }
         (commits, d)
     }
@@ -692,6 +852,66 @@ mod tests {
         assert_eq!(d.lease_train(2).unwrap().batch, 4);
         // The target worker is no drafter.
         assert!(d.lease_train(0).is_none());
+    }
+
+    /// A short last group with fewer batches than drafters: the rank without a batch in it is
+    /// given its part in the group's step (once), and the ranks stand at a step boundary only
+    /// when every group any of them started is done.
+    #[test]
+    fn a_rank_without_a_batch_in_the_last_group_takes_part_in_its_step() {
+        let a = Assignment::ByPosition {
+            first: 1,
+            drafters: 2,
+            accum: 4,
+        };
+        // 9 batches: groups 0..4, 4..8 and 8..9.
+        let mut d = Dispatch::new(16, 16, 3).with_assignment(a);
+        d.enter(9, 0);
+        assert!(d.drafters_at_step_boundary());
+        while d.feed().is_some() {}
+        while d.lease_forward(0).is_some() {
+            d.forwarded(0).unwrap();
+        }
+        assert_eq!(d.lease_step(2), None, "rank 1 has batches before");
+        assert_eq!(d.lease_train(1).unwrap().batch, 0);
+        assert_eq!(d.step_boundary(), 4);
+        assert!(!d.drafters_at_step_boundary(), "a group is started");
+        d.trained(1).unwrap();
+        for (worker, batch) in [(2, 1), (1, 2), (2, 3)] {
+            assert_eq!(d.lease_train(worker).unwrap().batch, batch);
+            d.trained(worker).unwrap();
+        }
+        assert!(d.drafters_at_step_boundary(), "group 0..4 is done");
+        for (worker, batch) in [(1, 4), (2, 5), (1, 6), (2, 7), (1, 8)] {
+            assert_eq!(d.lease_train(worker).unwrap().batch, batch);
+            d.trained(worker).unwrap();
+        }
+        assert!(
+            !d.drafters_at_step_boundary(),
+            "rank 1 owes group 8..9 its step"
+        );
+        assert_eq!(d.lease_train(2), None);
+        assert_eq!(d.lease_step(2), Some(8));
+        assert_eq!(d.lease_step(2), None, "one lease at a time");
+        // Its death gives the step back; the next process takes it again.
+        assert!(matches!(d.reclaim(2), Some(Lease::Step { key: 9, .. })));
+        assert_eq!(d.lease_step(2), Some(8));
+        assert_eq!(d.trained(2), Err(NotLeased), "a step is no training");
+        d.stepped(2).unwrap();
+        assert_eq!(d.stepped(2), Err(NotLeased));
+        assert_eq!(d.lease_step(2), None, "once");
+        assert!(d.drafters_at_step_boundary());
+        assert_eq!(d.step_boundary(), 9);
+        // A run that resumes past the short group's start does not take its step again.
+        d.enter(9, 8);
+        assert_eq!(
+            d.lease_step(2),
+            Some(8),
+            "resumed at the group's start: the step is due"
+        );
+        d.stepped(2).unwrap();
+        d.enter(9, 9);
+        assert_eq!(d.lease_step(2), None);
     }
 
     #[test]

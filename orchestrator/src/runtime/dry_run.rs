@@ -14,7 +14,7 @@ use crate::store::Store;
 /// Bytes of `/dev/shm` the rings of a run need: `targets` target workers, batches of at most
 /// `budget` tokens, `feature_bytes` bytes of features per token (`None`: the synthetic stage).
 pub fn ring_bytes(targets: u32, budget: u64, feature_bytes: Option<u64>) -> Result<u64, RunError> {
-    RingPlan::new(targets, budget, feature_bytes).map(|r| r.total)
+    RingPlan::new(targets, 1, budget, feature_bytes).map(|r| r.total)
 }
 
 /// Sizes of the two rings.
@@ -28,8 +28,12 @@ pub(super) struct RingPlan {
 }
 
 impl RingPlan {
+    /// The rings of `targets` target workers and `drafters` drafters: two input slots per target
+    /// and one more; two feature slots per target, and one per drafter (data-parallel drafters
+    /// each hold their group's last batch until the group's step, which they take together).
     pub(super) fn new(
         targets: u32,
+        drafters: u32,
         budget: u64,
         feature_bytes: Option<u64>,
     ) -> Result<Self, RunError> {
@@ -42,7 +46,7 @@ impl RingPlan {
             return Err(too_big());
         }
         let input_slots = 2 * targets + 1;
-        let feature_slots = 2 * targets + 2;
+        let feature_slots = 2 * targets + 1 + drafters.max(1);
         // Within MAX_TOKEN_BUDGET the input slot cannot overflow; the features' width can.
         let input_bytes = 64 + input_data_bytes(budget);
         let feature_bytes = match feature_bytes {
@@ -231,7 +235,7 @@ pub fn dry_run(config: &RunConfig, gpu_memory: Option<u64>) -> Result<DryRun, Ru
         feature_bytes = Some(settings.feature_bytes_per_token(&checked));
         target = Some(checked);
     }
-    let rings = RingPlan::new(topology.targets, budget, feature_bytes)?;
+    let rings = RingPlan::new(topology.targets, topology.drafters, budget, feature_bytes)?;
     let free = shm_free();
     if let Some(free) = free
         && free < rings.total

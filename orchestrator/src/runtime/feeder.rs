@@ -42,9 +42,9 @@ impl Tokens {
 }
 
 impl Run {
-    /// Fills free input slots with the next batches of the plan.
-    pub(super) fn feed(&mut self) {
-        while let Some((b, slot, generation)) = self.dispatch.feed() {
+    /// Fills free input slots with the next batches of the plan, those before `limit`.
+    pub(super) fn feed(&mut self, limit: usize) {
+        while let Some((b, slot, generation)) = self.dispatch.feed_below(limit) {
             self.write_batch(b, slot, generation);
         }
     }

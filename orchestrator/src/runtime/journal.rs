@@ -65,6 +65,13 @@ pub enum Entry {
         pid: u32,
         reason: String,
     },
+    /// Data-parallel drafters: drafter `rank` (worker `worker`) left the process group, so every
+    /// drafter is restarted from the last committed checkpoint and the batches after it replayed.
+    DrafterGroupRestart {
+        worker: u32,
+        rank: u32,
+        reason: String,
+    },
     End {
         status: String,
         reason: Option<String>,
@@ -266,6 +273,7 @@ pub fn read(path: &Path) -> Result<History, JournalError> {
             Entry::SkippedStep { .. }
             | Entry::WorkerStart { .. }
             | Entry::WorkerExit { .. }
+            | Entry::DrafterGroupRestart { .. }
             | Entry::CommittedFromCheckpoint { .. } => {}
         }
         if history.config.is_none() {

@@ -62,13 +62,22 @@ pub fn check_options(
         .transpose()
         .map_err(RunError::Invalid)?;
     let topology = Topology::resolve(given, devices.len() as u32).map_err(RunError::Invalid)?;
-    if config.dflash.is_some() && topology.drafters > 1 {
-        return Err(RunError::Invalid(format!(
-            "--topology {}:{}: --stage dflash trains one drafter (data-parallel drafters are not built yet); use {}:1",
-            topology.targets,
-            topology.drafters,
-            topology.targets + topology.drafters - 1
-        )));
+    if let Some(settings) = &config.dflash
+        && topology.drafters > 1
+    {
+        let (t, d) = (topology.targets, topology.drafters);
+        if settings.engines.drafter != dflash_common::dflash::Engine::Torch {
+            return Err(RunError::Invalid(format!(
+                "--topology {t}:{d}: data-parallel drafters train on the torch engine (--engine torch); the candle drafter trains alone (use {}:1)",
+                t + d - 1
+            )));
+        }
+        if config.planner.accum < d {
+            return Err(RunError::Invalid(format!(
+                "--topology {t}:{d} with --accum {}: each of the {d} drafters needs a micro-batch of every accumulation group; pass --accum {d} or more (--accum counts micro-batches per step in total)",
+                config.planner.accum
+            )));
+        }
     }
     Ok(CheckedOptions {
         plan: plan_config,
@@ -153,6 +162,15 @@ pub fn prepare(config: RunConfig, run_dir_path: &Path, resume: bool) -> Result<P
                 fixed.join(", ")
             )));
         }
+        let before = check_options(&journaled.config, gpu_count(&nvml))
+            .map_or(topology.drafters, |o| o.topology.drafters);
+        if config.dflash.is_some() && before != topology.drafters {
+            return Err(RunError::Invalid(format!(
+                "--resume with {} drafters: the run trains {before} (--topology {}:{before} with these --gpus keeps them). The number of data-parallel drafters decides the order the gradients are summed in, so another number would end with weights an undisturbed run would not have (within float rounding, not the same bits); start a new run to change it",
+                topology.drafters,
+                topology.targets + topology.drafters - before,
+            )));
+        }
         (journaled.start, journaled.torn_tail)
     } else {
         (Start::default(), false)
@@ -212,7 +230,12 @@ pub fn prepare(config: RunConfig, run_dir_path: &Path, resume: bool) -> Result<P
         )
         .map_err(RunError::Invalid)?;
     }
-    let rings = RingPlan::new(topology.targets, config.planner.token_budget, feature_bytes)?;
+    let rings = RingPlan::new(
+        topology.targets,
+        topology.drafters,
+        config.planner.token_budget,
+        feature_bytes,
+    )?;
     if let Some(free) = shm_free()
         && free < rings.total
     {
@@ -435,6 +458,15 @@ pub fn launch(
             .as_ref()
             .and_then(|d| d.torch.as_ref())
             .map(|t| t.python.clone()),
+        drafters: (config.dflash.is_some() && topology.drafters > 1).then(|| {
+            workers::DrafterGroup {
+                first: topology.targets,
+                ranks: topology.drafters,
+                host: "127.0.0.1".into(),
+                port: 0,
+                timeout_s: dflash_common::dflash::DrafterRank::DEFAULT_TIMEOUT_S,
+            }
+        }),
     };
     let plan = planner.plan_epoch(u64::from(start.epoch));
     let planned = plan.batches.len();
@@ -443,6 +475,13 @@ pub fn launch(
         rings.feature_slots as usize,
         workers_list.len(),
     );
+    if let Some(g) = &launch.drafters {
+        dispatch = dispatch.with_assignment(super::dispatch::Assignment::ByPosition {
+            first: g.first as usize,
+            drafters: g.ranks as usize,
+            accum: config.planner.accum as usize,
+        });
+    }
     dispatch.enter(planned, start.batch);
     let mut run = super::Run {
         run_dir: run_dir_path.to_path_buf(),
@@ -620,6 +659,8 @@ fn worker_list(
                 ready_since: Instant::now(),
                 hung: None,
                 job: None,
+                resumed: None,
+                stopped_with_group: false,
             }
         })
         .collect()

@@ -1,14 +1,17 @@
 //! The run's metrics, to every sink at once: `RUN_DIR/metrics.jsonl` (always), TensorBoard event
 //! files under `RUN_DIR/tb/` (always) and the Prometheus endpoint (with `--metrics-addr`). Line
-//! kinds and fields are documented in docs/metrics.md. Training lines are summed from the drafter's
-//! micro-batch reports, one per optimiser step; a replay after a drafter restart writes its steps
-//! again, and the last line of a step is the one that counts.
+//! kinds and fields are documented in docs/metrics.md. Training lines are summed from the drafters'
+//! micro-batch reports in plan order, one per optimiser step, once every micro-batch of its group
+//! is in (data-parallel drafters report theirs in any order); a replay after a drafter restart
+//! writes its steps again, and the last line of a step is the one that counts.
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
 use std::path::Path;
 
-use dflash_common::wire::TrainMetrics;
+use std::collections::BTreeMap;
+
+use dflash_common::wire::{Group as PlanGroup, TrainMetrics, Update};
 use serde_json::{Value, json};
 
 use crate::observe::gpu::{GpuOwner, GpuSample};
@@ -49,13 +52,28 @@ pub struct BatchRecord {
     pub bucket_batches: Vec<u64>,
 }
 
+/// An accumulation group's reports so far.
 #[derive(Default)]
-struct Group {
-    correct: Vec<u64>,
-    counted: Vec<u64>,
-    tokens: u64,
-    anchors: u64,
-    compute_s: f64,
+struct Pending {
+    len: u64,
+    /// Per plan position: the batch's real tokens and its report.
+    micro: BTreeMap<u64, (u64, TrainMetrics)>,
+    update: Option<Update>,
+}
+
+impl Pending {
+    /// Takes an update: the first one counts (every rank steps alike); a skip that another rank
+    /// explains is kept.
+    fn merge(&mut self, update: &Update) {
+        match &mut self.update {
+            None => self.update = Some(update.clone()),
+            Some(u) => {
+                if u.skipped.is_none() {
+                    u.skipped.clone_from(&update.skipped);
+                }
+            }
+        }
+    }
 }
 
 /// The sinks, and the group of micro-batches being summed.
@@ -63,7 +81,11 @@ pub struct Metrics {
     file: File,
     tb: Option<TbWriter>,
     pub prom: Option<Prom>,
-    group: Group,
+    /// Groups being summed, by their first plan position.
+    groups: BTreeMap<u64, Pending>,
+    /// The first plan position of the newest group written (later updates of it are other
+    /// ranks' copies).
+    written: Option<u64>,
     /// The newest step line.
     pub last: Option<Value>,
     /// Monitor ticks written, the step of the `gpu*/` and `worker*/` scalars.
@@ -114,7 +136,8 @@ impl Metrics {
             file,
             tb,
             prom,
-            group: Group::default(),
+            groups: BTreeMap::new(),
+            written: None,
             last: None,
             ticks: 0,
             skipped_steps: 0,
@@ -289,29 +312,81 @@ impl Metrics {
         Ok(())
     }
 
-    /// Adds a micro-batch of `tokens` real tokens; at the end of its group, writes and returns
-    /// the step's line.
+    /// Adds the report of the micro-batch at plan position `plan_step` (in `group`, of `tokens`
+    /// real tokens); once its group is complete, writes and returns the step's line.
     pub fn add(
         &mut self,
         epoch: u32,
         plan_step: u64,
+        group: PlanGroup,
         tokens: u64,
         m: &TrainMetrics,
     ) -> io::Result<Option<Value>> {
-        let g = &mut self.group;
-        g.correct.resize(m.correct.len().max(g.correct.len()), 0);
-        g.counted.resize(m.counted.len().max(g.counted.len()), 0);
-        for (k, (&c, &n)) in m.correct.iter().zip(&m.counted).enumerate() {
-            g.correct[k] += u64::from(c);
-            g.counted[k] += u64::from(n);
+        let start = plan_step - u64::from(group.index);
+        let pending = self.groups.entry(start).or_default();
+        pending.len = u64::from(group.len);
+        pending.micro.insert(plan_step, (tokens, m.clone()));
+        if let Some(u) = &m.update {
+            pending.merge(u);
         }
-        g.tokens += tokens;
-        g.anchors += u64::from(m.anchors);
-        g.compute_s += m.compute_s;
-        let Some(update) = &m.update else {
+        self.complete(epoch, start)
+    }
+
+    /// Adds a data-parallel drafter's update of the step of the group ending at plan position
+    /// `last` (`group`), from a rank that had no batch in it.
+    pub fn add_update(
+        &mut self,
+        epoch: u32,
+        last: u64,
+        group: PlanGroup,
+        update: &Update,
+    ) -> io::Result<Option<Value>> {
+        let start = last - u64::from(group.index);
+        if self.written.is_some_and(|w| start <= w) && !self.groups.contains_key(&start) {
+            return Ok(None); // the step's line is written
+        }
+        let pending = self.groups.entry(start).or_default();
+        pending.len = u64::from(group.len);
+        pending.merge(update);
+        self.complete(epoch, start)
+    }
+
+    /// Writes the line of the group starting at `start` once every micro-batch and an update
+    /// of it are in: the sums in plan order, the loss the mean of the micro-batches' losses.
+    fn complete(&mut self, epoch: u32, start: u64) -> io::Result<Option<Value>> {
+        let done = self
+            .groups
+            .get(&start)
+            .is_some_and(|p| p.update.is_some() && p.micro.len() as u64 == p.len);
+        if !done {
+            return Ok(None);
+        }
+        let Some(Pending {
+            len,
+            micro,
+            update: Some(update),
+        }) = self.groups.remove(&start)
+        else {
             return Ok(None);
         };
-        let g = std::mem::take(&mut self.group);
+        self.written = Some(start);
+        let mut g = Sums::default();
+        let mut loss = 0.0;
+        for (tokens, m) in micro.values() {
+            g.correct.resize(m.correct.len().max(g.correct.len()), 0);
+            g.counted.resize(m.counted.len().max(g.counted.len()), 0);
+            for (k, (&c, &n)) in m.correct.iter().zip(&m.counted).enumerate() {
+                g.correct[k] += u64::from(c);
+                g.counted[k] += u64::from(n);
+            }
+            g.tokens += tokens;
+            g.anchors += u64::from(m.anchors);
+            g.compute_s += m.compute_s;
+            loss += m.loss / len as f64;
+        }
+        let plan_step = start + len - 1;
+        let update = Update { loss, ..update };
+        let update = &update;
         // Position 0 (the anchor itself) is never predicted.
         let accuracy: Vec<f64> = g
             .correct
@@ -401,10 +476,21 @@ impl Metrics {
         Ok(())
     }
 
-    /// Forgets a partly summed group (the drafter restarted).
+    /// Forgets partly summed groups (a drafter restarted: they are trained again).
     pub fn reset_group(&mut self) {
-        self.group = Group::default();
+        self.groups.clear();
+        self.written = None;
     }
+}
+
+/// A group's sums.
+#[derive(Default)]
+struct Sums {
+    correct: Vec<u64>,
+    counted: Vec<u64>,
+    tokens: u64,
+    anchors: u64,
+    compute_s: f64,
 }
 
 #[cfg(test)]

@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 
 use dflash_common::dflash::NonFinite;
 use dflash_common::ring::{Ring, SlotMeta};
-use dflash_common::wire::{BatchId, Event, Group, Job, Role, TrainMetrics};
+use dflash_common::wire::{BatchId, Event, Group, Job, Role};
 use ipc_channel::ipc::IpcSender;
 
 use crate::planner::{EpochPlan, Planner};
@@ -145,6 +145,10 @@ struct Worker {
     hung: Option<String>,
     /// The job it is working on: since when, and which batch of the epoch.
     job: Option<(Instant, usize)>,
+    /// A drafter's report of where its weights stand (plan position), this process.
+    resumed: Option<u64>,
+    /// A data-parallel drafter killed because another left the group (not a crash of its own).
+    stopped_with_group: bool,
 }
 
 struct Run {
@@ -279,7 +283,14 @@ impl Run {
             if let Some(outcome) = self.stopping {
                 let grace = Duration::from_secs_f64(self.config.stop_grace_s);
                 let deadline = *stop_deadline.get_or_insert_with(|| Instant::now() + grace);
-                self.wind_down(Instant::now() > deadline);
+                let force = Instant::now() > deadline;
+                let draining = !force && self.draining();
+                if draining {
+                    // Data-parallel drafters finish the groups they started, together.
+                    self.feed(self.dispatch.step_boundary());
+                    self.dispatch();
+                }
+                self.wind_down(force, draining);
                 if self.workers.iter().all(|w| w.process.is_none()) {
                     if outcome == Outcome::Completed
                         && self.final_checkpoint_lost.is_none()
@@ -323,10 +334,24 @@ impl Run {
                 }
                 continue;
             }
-            self.feed();
+            self.feed(usize::MAX);
             self.dispatch();
             self.progress(false);
         }
+    }
+
+    /// While stopping: whether the data-parallel drafters must first reach a step boundary
+    /// (every rank alive and one of them inside a group the others have not finished: a rank
+    /// told to stop now would leave the others waiting in a collective).
+    fn draining(&self) -> bool {
+        let members = self.group_workers();
+        !members.is_empty()
+            && self.epoch < self.config.epochs
+            && self.rewind_to.is_none()
+            && self.workers[members]
+                .iter()
+                .all(|w| w.process.is_some() && w.resumed.is_some())
+            && !self.dispatch.drafters_at_step_boundary()
     }
 
     /// Records an evaluation's outcome; a failed evaluation is reported, not fatal.
@@ -431,7 +456,9 @@ impl Run {
                     w.state = WorkerState::Ready;
                     w.ready_since = Instant::now();
                 }
-                if w.restart_when_idle || self.stopping.is_some() {
+                let stop = self.stopping.is_some() && !self.draining();
+                let w = &mut self.workers[id as usize];
+                if w.restart_when_idle || stop {
                     w.restart_when_idle = false;
                     w.exit_requested = true;
                     if let Some(jobs) = &w.jobs {
@@ -453,8 +480,17 @@ impl Run {
                     step,
                     "drafter starts at plan position {cursor} (optimiser step {step})"
                 );
+                w.resumed = Some(cursor);
+                let drafters = self.workers.iter().filter(|w| w.role == Role::Drafter);
+                let cursors: Vec<Option<u64>> = drafters.map(|w| w.resumed).collect();
+                if let Some(other) = cursors.iter().flatten().find(|&&c| c != cursor) {
+                    return Err(RunError::Failed(format!(
+                        "the data-parallel drafters resumed at different plan positions ({cursor} and {other}): their checkpoints disagree"
+                    )));
+                }
                 self.metrics.reset_group();
-                self.drafter_resumed = true;
+                // Data-parallel drafters: once every rank has said where it stands.
+                self.drafter_resumed = cursors.iter().all(Option::is_some);
                 if cursor != self.committed_total || self.rewind_to.is_some() {
                     self.rewind_to = Some(cursor);
                 }
@@ -513,29 +549,36 @@ impl Run {
                     t.2 = t.1.map_or(0.0, |at| at.elapsed().as_secs_f64());
                 }
                 if let Some(m) = metrics {
-                    if let Some(reason) = m.update.as_ref().and_then(|u| u.skipped.clone()) {
-                        self.journal
-                            .append(&Entry::SkippedStep {
-                                step: m.update.as_ref().map_or(0, |u| u.step),
-                                epoch: batch_id.epoch,
-                                batch: u64::from(batch_id.batch),
-                                reason,
-                            })
-                            .map_err(|e| RunError::Failed(format!("journal: {e}")))?;
-                    }
-                    self.record(batch_id, batch, &m)?;
-                    if let (Some(u), Some(ev), Some(d)) = (
-                        &m.update,
-                        self.evaluator.as_mut(),
-                        self.config.dflash.as_ref(),
-                    ) && u.checkpoint
-                        && ev.due(u.step)
-                        && ev.start(u.step, &d.checkpoint_dir)
-                    {
-                        tracing::info!("evaluating the checkpoint of step {}", u.step);
-                    }
+                    let tokens = self.plan.batches[batch].real_tokens;
+                    let group = self.group_of(batch);
+                    let line = self
+                        .metrics
+                        .add(batch_id.epoch, batch_id.step, group, tokens, &m)
+                        .map_err(|e| RunError::Failed(format!("{}: {e}", metrics::FILE)))?;
+                    self.stepped_line(batch_id, line)?;
                 }
                 self.commit_ready()?;
+            }
+            Event::Stepped {
+                id: batch_id,
+                update,
+            } => {
+                self.dispatch.stepped(id as usize).map_err(|_| {
+                    RunError::Failed(format!(
+                        "worker {id} reported a step it was not given ({batch_id:?})"
+                    ))
+                })?;
+                self.job_done(id as usize);
+                let group = Group::of(
+                    u64::from(batch_id.batch),
+                    u64::from(batch_id.batch) + 1,
+                    self.config.planner.accum,
+                );
+                let line = self
+                    .metrics
+                    .add_update(batch_id.epoch, batch_id.step, group, &update)
+                    .map_err(|e| RunError::Failed(format!("{}: {e}", metrics::FILE)))?;
+                self.stepped_line(batch_id, line)?;
             }
             Event::Failed { id: batch, reason } => {
                 return Err(RunError::Failed(format!(
@@ -602,12 +645,41 @@ impl Run {
         }
     }
 
-    /// Records a drafter's report of a micro-batch.
-    fn record(&mut self, id: BatchId, batch: usize, m: &TrainMetrics) -> Result<(), RunError> {
-        let tokens = self.plan.batches[batch].real_tokens;
-        self.metrics
-            .add(id.epoch, id.step, tokens, m)
-            .map_err(|e| RunError::Failed(format!("{}: {e}", metrics::FILE)))?;
+    /// The accumulation group of batch `batch` of the epoch.
+    fn group_of(&self, batch: usize) -> Group {
+        Group::of(
+            batch as u64,
+            self.plan.batches.len() as u64,
+            self.config.planner.accum,
+        )
+    }
+
+    /// An optimiser step's metrics line, once its group is complete: a skipped step is
+    /// journaled, and a checkpoint due for evaluation is evaluated.
+    fn stepped_line(
+        &mut self,
+        id: BatchId,
+        line: Option<serde_json::Value>,
+    ) -> Result<(), RunError> {
+        let Some(line) = line else { return Ok(()) };
+        let step = line["step"].as_u64().unwrap_or(0);
+        if let Some(reason) = line["skipped"].as_str() {
+            self.journal
+                .append(&Entry::SkippedStep {
+                    step,
+                    epoch: id.epoch,
+                    batch: u64::from(id.batch),
+                    reason: reason.to_owned(),
+                })
+                .map_err(|e| RunError::Failed(format!("journal: {e}")))?;
+        }
+        if let (Some(ev), Some(d)) = (self.evaluator.as_mut(), self.config.dflash.as_ref())
+            && line["checkpoint"].as_bool() == Some(true)
+            && ev.due(step)
+            && ev.start(step, &d.checkpoint_dir)
+        {
+            tracing::info!("evaluating the checkpoint of step {step}");
+        }
         Ok(())
     }
 
@@ -654,7 +726,18 @@ impl Run {
                     }
                 }
                 Role::Drafter => {
+                    if !self.group_workers().is_empty() && !self.drafter_resumed {
+                        continue; // data-parallel drafters start once all stand at one place
+                    }
                     let Some(job) = self.dispatch.lease_train(i) else {
+                        if let Some(last) = self.dispatch.lease_step(i) {
+                            self.job_sent(i, last);
+                            let job = Job::Step {
+                                id: self.batch_id(last),
+                                group: self.group_of(last),
+                            };
+                            self.send_job(i, job);
+                        }
                         continue;
                     };
                     let batch = job.batch;
@@ -671,22 +754,23 @@ impl Run {
                         feature: job.feature,
                         checksum: self.checksums[batch],
                         nonfinite: self.nonfinite.get(batch).cloned().flatten(),
-                        group: Group::of(
-                            batch as u64,
-                            self.plan.batches.len() as u64,
-                            self.config.planner.accum,
-                        ),
+                        group: self.group_of(batch),
                     }
                 }
             };
-            let w = &mut self.workers[i];
-            w.state = WorkerState::Busy;
-            if let Some(jobs) = &w.jobs
-                && jobs.send(job).is_err()
-            {
-                // Lost: `supervise` reaps it and reclaims the lease.
-                w.jobs = None;
-            }
+            self.send_job(i, job);
+        }
+    }
+
+    /// Sends worker `i` its job: it is busy until it answers.
+    fn send_job(&mut self, i: usize, job: Job) {
+        let w = &mut self.workers[i];
+        w.state = WorkerState::Busy;
+        if let Some(jobs) = &w.jobs
+            && jobs.send(job).is_err()
+        {
+            // Lost: `supervise` reaps it and reclaims the lease.
+            w.jobs = None;
         }
     }
 

@@ -139,6 +139,12 @@ impl Run {
                     .metrics
                     .event("worker_exit", Some((w.id, w.role.name())), &reason);
                 let w = &mut self.workers[i];
+                w.resumed = None;
+                let clean_stop = self.stopping.is_some() && status.success();
+                if w.role == Role::Drafter && !clean_stop {
+                    self.break_drafter_group(i, &reason)?;
+                }
+                let w = &mut self.workers[i];
                 if w.role == Role::Drafter {
                     self.drafter_resumed = false;
                     if self.stopping.is_some() && self.config.dflash.is_some() && !status.success()
@@ -181,54 +187,149 @@ impl Run {
                 }
                 w.state = WorkerState::Restarting;
             }
-            // Due to (re)start.
-            let w = &mut self.workers[i];
+            // Due to (re)start (data-parallel drafters start together, below).
+            let w = &self.workers[i];
+            let in_group = self.launch.drafters.as_ref().and_then(|g| g.rank_of(w.id));
             if self.stopping.is_none()
+                && in_group.is_none()
                 && w.process.is_none()
                 && w.restart_at.is_some_and(|t| now >= t)
             {
-                w.restart_at = None;
-                w.incarnation += 1;
-                if w.incarnation > 1 {
-                    w.restarts += 1;
-                }
-                let process = workers::spawn(
-                    w.id,
-                    w.incarnation,
-                    w.role,
-                    w.device,
-                    &w.cpus,
-                    &self.launch,
-                    &self.to_loop,
-                )
-                .map_err(|e| RunError::Failed(format!("cannot start worker {}: {e}", w.id)))?;
-                self.journal
-                    .append(&Entry::WorkerStart {
-                        worker: w.id,
-                        role: w.role.name().into(),
-                        pid: process.pid,
-                    })
-                    .map_err(|e| RunError::Failed(format!("journal: {e}")))?;
-                let _ = self.metrics.event(
-                    "worker_start",
-                    Some((w.id, w.role.name())),
-                    &format!("pid {} on {}", process.pid, w.device),
-                );
-                w.process = Some(process);
-                w.state = WorkerState::Starting;
-                w.last_seen = now;
-                w.started = now;
+                self.start_worker(i, now)?;
             }
+        }
+        self.start_drafter_group(now)
+    }
+
+    /// Starts worker `i`'s next process.
+    fn start_worker(&mut self, i: usize, now: Instant) -> Result<(), RunError> {
+        let w = &mut self.workers[i];
+        w.restart_at = None;
+        w.incarnation += 1;
+        if w.incarnation > 1 {
+            w.restarts += 1;
+        }
+        let process = workers::spawn(
+            w.id,
+            w.incarnation,
+            w.role,
+            w.device,
+            &w.cpus,
+            &self.launch,
+            &self.to_loop,
+        )
+        .map_err(|e| RunError::Failed(format!("cannot start worker {}: {e}", w.id)))?;
+        self.journal
+            .append(&Entry::WorkerStart {
+                worker: w.id,
+                role: w.role.name().into(),
+                pid: process.pid,
+            })
+            .map_err(|e| RunError::Failed(format!("journal: {e}")))?;
+        let _ = self.metrics.event(
+            "worker_start",
+            Some((w.id, w.role.name())),
+            &format!("pid {} on {}", process.pid, w.device),
+        );
+        w.process = Some(process);
+        w.state = WorkerState::Starting;
+        w.last_seen = now;
+        w.started = now;
+        Ok(())
+    }
+
+    /// The workers of the data-parallel drafter group, if the run has one.
+    pub(super) fn group_workers(&self) -> std::ops::Range<usize> {
+        match &self.launch.drafters {
+            Some(g) => g.first as usize..(g.first + g.ranks) as usize,
+            None => 0..0,
+        }
+    }
+
+    /// Data-parallel drafters start together, once every one of them is down and due, at a
+    /// rendezvous port of their own (a stale group can never be joined).
+    fn start_drafter_group(&mut self, now: Instant) -> Result<(), RunError> {
+        let members = self.group_workers();
+        if self.stopping.is_some() || members.is_empty() {
+            return Ok(());
+        }
+        let group = &self.workers[members.clone()];
+        let due = group
+            .iter()
+            .all(|w| w.process.is_none() && w.restart_at.is_some_and(|t| now >= t));
+        if !due {
+            return Ok(());
+        }
+        if let Some(g) = self.launch.drafters.as_mut() {
+            g.pick_port().map_err(|e| {
+                RunError::Failed(format!(
+                    "no free port for the drafters' rendezvous on {}: {e}",
+                    g.host
+                ))
+            })?;
+        }
+        for i in members {
+            self.start_worker(i, now)?;
         }
         Ok(())
     }
 
-    /// While stopping: idle workers are told to stop; past the grace period, everyone is killed.
-    pub(super) fn wind_down(&mut self, force: bool) {
+    /// Data-parallel drafter `i` left the process group (`reason`): the others cannot go on (a
+    /// collective waits for it), so they are stopped too, and the whole group restarts from the
+    /// last checkpoint and replays the batches after it. Journaled once, naming the rank.
+    fn break_drafter_group(&mut self, i: usize, reason: &str) -> Result<(), RunError> {
+        let members = self.group_workers();
+        if !members.contains(&i) || self.workers[i].stopped_with_group {
+            self.workers[i].stopped_with_group = false;
+            return Ok(());
+        }
+        let rank = i - members.start;
+        let id = self.workers[i].id;
+        let mut stopped = Vec::new();
+        for j in members.clone() {
+            let peer = &mut self.workers[j];
+            if j == i || peer.stopped_with_group {
+                continue;
+            }
+            if let Some(p) = &peer.process {
+                p.kill();
+                peer.stopped_with_group = true;
+                peer.exit_requested = true;
+                peer.job = None;
+                peer.hung.get_or_insert(format!(
+                    "stopped with the drafter group (rank {rank}, worker {id}, left it)"
+                ));
+                stopped.push(peer.id);
+            }
+        }
+        self.journal
+            .append(&Entry::DrafterGroupRestart {
+                worker: id,
+                rank: rank as u32,
+                reason: reason.to_owned(),
+            })
+            .map_err(|e| RunError::Failed(format!("journal: {e}")))?;
+        let message = format!(
+            "drafter rank {rank} (worker {id}) left the process group ({reason}): stopping drafters {stopped:?}; the group restarts from its last checkpoint"
+        );
+        tracing::warn!("{message}");
+        let _ = self.metrics.event(
+            "drafter_group_restart",
+            Some((id, Role::Drafter.name())),
+            &message,
+        );
+        Ok(())
+    }
+
+    /// While stopping: idle workers are told to stop (once data-parallel drafters stand at a
+    /// step boundary: `draining` until then); past the grace period, everyone is killed.
+    pub(super) fn wind_down(&mut self, force: bool, draining: bool) {
         for w in &mut self.workers {
             let Some(p) = &w.process else { continue };
             if force {
                 p.kill();
+            } else if draining {
+                continue;
             } else if w.state == WorkerState::Ready
                 || w.state == WorkerState::Starting && w.jobs.is_some()
             {

@@ -29,6 +29,35 @@ pub struct Launch {
     /// The torch engine's interpreter, where the run has one (its CUDA wheels may hold the
     /// libraries a CUDA worker needs).
     pub python: Option<PathBuf>,
+    /// Data-parallel drafters, when the run has more than one.
+    pub drafters: Option<DrafterGroup>,
+}
+
+/// The run's data-parallel drafters: workers `first..first + ranks`, one `torch.distributed`
+/// process group, formed afresh (a new port) each time the group starts.
+#[derive(Debug, Clone)]
+pub struct DrafterGroup {
+    pub first: u32,
+    pub ranks: u32,
+    /// The address rank 0 listens on, and the port of the group's current start.
+    pub host: String,
+    pub port: u16,
+    pub timeout_s: f64,
+}
+
+impl DrafterGroup {
+    /// Worker `id`'s rank, if it is one of the group's.
+    pub fn rank_of(&self, id: u32) -> Option<u32> {
+        id.checked_sub(self.first).filter(|&r| r < self.ranks)
+    }
+
+    /// Picks the port of the group's next start: one the system has free now (rank 0 binds it
+    /// moments later; a clash fails the start, which is retried with another).
+    pub fn pick_port(&mut self) -> std::io::Result<()> {
+        let listener = std::net::TcpListener::bind((self.host.as_str(), 0))?;
+        self.port = listener.local_addr()?.port();
+        Ok(())
+    }
 }
 
 /// A started worker process.
@@ -253,6 +282,20 @@ pub fn spawn(
         },
         launch.python.as_deref(),
     );
+    if let Some((group, rank)) = launch
+        .drafters
+        .as_ref()
+        .filter(|_| role == Role::Drafter)
+        .and_then(|g| Some((g, g.rank_of(id)?)))
+    {
+        let [rank_var, ranks_var, rendezvous_var, timeout_var] =
+            dflash_common::dflash::DrafterRank::ENV;
+        command
+            .env(rank_var, rank.to_string())
+            .env(ranks_var, group.ranks.to_string())
+            .env(rendezvous_var, format!("{}:{}", group.host, group.port))
+            .env(timeout_var, group.timeout_s.to_string());
+    }
     bind_to_parent(&mut command, cpus);
     let child = command.spawn()?;
     let pid = child.id();
