@@ -129,6 +129,8 @@ pub struct Update {
     pub checkpoint: bool,
     /// The step was skipped (`--on-nonfinite skip`): what was not finite, and where.
     pub skipped: Option<String>,
+    /// Seconds the step spent summing the data-parallel drafters' gradients (0 with one).
+    pub reduce_s: f64,
 }
 
 /// What training one micro-batch measured.

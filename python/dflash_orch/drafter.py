@@ -479,10 +479,20 @@ class TorchDrafter:
         and, when that norm is finite, steps AdamW (the candle drafter's formula). With a
         process group, every rank's gradients are summed first (in rank order: the same bits
         on every rank) and the ranks agree on `skip`."""
+        reduce_s = 0.0
         if self.group is not None:
+            import time
+
             from .parallel import sum_gradients
 
+            started = time.perf_counter()
             skip, _ = sum_gradients(self.group, self.P, self.names, skip)
+            reduce_s = time.perf_counter() - started
+        answer = self._step(lr, clip, skip)
+        answer["reduce_s"] = reduce_s
+        return answer
+
+    def _step(self, lr, clip, skip):
         grads = [(n, self.P[n].grad) for n in self.names]
         if skip or all(g is None for _, g in grads):
             self.zero_grad()

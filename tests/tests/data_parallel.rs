@@ -185,7 +185,8 @@ fn data_parallel_drafters_repeat_to_the_bit_and_agree_with_one_drafter() {
 
 /// SIGKILL drafter rank 1 mid-run: the journal names the rank, the other drafter is stopped,
 /// the group restarts from its last checkpoint on a fresh rendezvous and replays, and the run
-/// ends with the undisturbed run's bytes. Then the orchestrator is SIGKILLed: a resume with
+/// ends with the undisturbed run's bytes. A `stop` mid-run ends cleanly at a step boundary and
+/// its resume ends with the same bytes. Then the orchestrator is SIGKILLed: a resume with
 /// another number of drafters is refused naming why, and the plain resume ends with the same
 /// bytes.
 #[test]
@@ -237,6 +238,41 @@ fn a_killed_drafter_rank_restarts_the_group_and_loses_nothing() {
         "final model.safetensors differs from the undisturbed run's"
     );
     assert_clean(&run_dir);
+
+    // `stop` mid-run: the drafters first finish the groups they started (together: a rank told
+    // to stop alone would leave the other waiting in a collective), then stop cleanly; the
+    // resume ends with the same bytes.
+    let run_dir = dir.path().join("stopped");
+    let child = launch(&run_dir, &target, (2, 2), &longer).spawn().unwrap();
+    wait_until("a few groups", Duration::from_secs(300), || {
+        journal_events(&run_dir, "commit").len() >= 30
+    });
+    stdout_ok(&orch(&["stop", "--run-dir", run_dir.to_str().unwrap()]));
+    finish(child);
+    let end = journal_events(&run_dir, "end");
+    assert_eq!(end[0]["status"], "stopped", "{end:?}");
+    assert!(end[0]["reason"].is_null(), "{end:?}");
+    let last = journal_events(&run_dir, "commit").pop().unwrap();
+    let batch = last["batch"].as_u64().unwrap();
+    assert!(
+        (batch + 1) % 4 == 0 || batch == 29,
+        "the last commit (batch {batch}) ends an accumulation group"
+    );
+    for exit in journal_events(&run_dir, "worker_exit") {
+        assert_eq!(exit["reason"], "exited normally", "{exit}");
+    }
+    assert!(journal_events(&run_dir, "drafter_group_restart").is_empty());
+    let mut c = Command::new(bin("dflash-orch"));
+    c.args(["launch", "--resume", "--run-dir"])
+        .arg(&run_dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    finish(c.spawn().unwrap());
+    assert!(
+        final_bytes(&run_dir) == final_bytes(&reference),
+        "the stopped and resumed run's final model.safetensors differs from the undisturbed run's"
+    );
 
     let run_dir = dir.path().join("killed");
     let mut child = launch(&run_dir, &target, (2, 2), &longer).spawn().unwrap();

@@ -404,6 +404,11 @@ pub trait DrafterCompute {
     /// when their norm is finite, steps AdamW at `lr`.
     fn step(&mut self, lr: f64, clip: f64, skip: bool) -> Result<Stepped, String>;
 
+    /// Seconds the last [`DrafterCompute::step`] spent summing the ranks' gradients.
+    fn reduce_seconds(&self) -> f64 {
+        0.0
+    }
+
     /// Data-parallel drafters: checks that every rank holds the same weights as rank 0 (a
     /// checksum per tensor, gathered from every rank; a collective call).
     fn check_replicas(&mut self) -> Result<(), String> {
@@ -725,6 +730,7 @@ impl DrafterStage {
             }
         };
         let skipped = self.skip.take();
+        let reduce_s = self.compute.reduce_seconds();
         self.micro = 0;
         self.step += 1;
         self.cursor = end;
@@ -744,6 +750,7 @@ impl DrafterStage {
             loss: std::mem::take(&mut self.group_loss),
             checkpoint,
             skipped,
+            reduce_s,
         })
     }
 

@@ -254,6 +254,8 @@ impl Stage for TargetStage {
 pub struct DrafterEngine {
     child: TorchChild,
     exchange: std::path::PathBuf,
+    /// Seconds the last step spent summing the ranks' gradients.
+    reduce_s: f64,
 }
 
 impl DrafterEngine {
@@ -298,6 +300,7 @@ impl DrafterEngine {
         let mut engine = Self {
             child: TorchChild::start(runtime)?,
             exchange,
+            reduce_s: 0.0,
         };
         let shape = &config.shape;
         let init = engine.child.request(&json!({
@@ -436,6 +439,10 @@ impl crate::dflash::DrafterCompute for DrafterEngine {
         let answer = self.child.request(&json!({
             "op": "step", "lr": lr, "clip": clip, "skip": skip,
         }))?;
+        self.reduce_s = answer
+            .get("reduce_s")
+            .and_then(Value::as_f64)
+            .unwrap_or(0.0);
         if let Some(name) = answer.get("nonfinite").and_then(Value::as_str) {
             return Ok(Stepped::NonFinite(name.to_owned()));
         }
@@ -443,6 +450,10 @@ impl crate::dflash::DrafterCompute for DrafterEngine {
             Some(grad_norm) => Stepped::Applied { grad_norm },
             None => Stepped::Nothing,
         })
+    }
+
+    fn reduce_seconds(&self) -> f64 {
+        self.reduce_s
     }
 
     fn check_replicas(&mut self) -> Result<(), String> {

@@ -418,6 +418,7 @@ impl Metrics {
             "checkpoint": update.checkpoint,
             "skipped": update.skipped,
             "skipped_steps": self.skipped_steps,
+            "reduce_s": update.reduce_s,
         });
         let time = self.line("train", line.clone())?;
         let mut values = vec![
