@@ -255,7 +255,7 @@ fn a_killed_drafter_rank_restarts_the_group_and_loses_nothing() {
     let last = journal_events(&run_dir, "commit").pop().unwrap();
     let batch = last["batch"].as_u64().unwrap();
     assert!(
-        (batch + 1) % 4 == 0 || batch == 29,
+        (batch + 1).is_multiple_of(4) || batch == 29,
         "the last commit (batch {batch}) ends an accumulation group"
     );
     for exit in journal_events(&run_dir, "worker_exit") {
