@@ -44,6 +44,11 @@ import traceback
 from . import PROTOCOL
 
 
+# How a failed rendezvous of the data-parallel drafters starts its error: the worker exits as if
+# crashed (the orchestrator restarts the group on another port) instead of failing the run.
+RENDEZVOUS_FAILED = "the drafters' rendezvous failed"
+
+
 class Refused(Exception):
     """A request that is wrong in itself: its message goes back to the worker."""
 
@@ -90,10 +95,15 @@ class Server:
             if group:
                 from .parallel import Group
 
-                self.drafter.group = Group(
-                    int(group["rank"]), int(group["world"]), str(group["address"]),
-                    int(group["port"]), self.drafter.device,
-                    float(group.get("timeout_s") or 120.0))
+                try:
+                    self.drafter.group = Group(
+                        int(group["rank"]), int(group["world"]), str(group["address"]),
+                        int(group["port"]), self.drafter.device,
+                        float(group.get("timeout_s") or 120.0))
+                except Exception as e:  # a port taken meanwhile, a peer that never came
+                    raise Refused(f"{RENDEZVOUS_FAILED} at {group['address']}:{group['port']} "
+                                  f"(rank {group['rank']} of {group['world']}): "
+                                  f"{type(e).__name__}: {e}") from e
             return {
                 "protocol": PROTOCOL,
                 "attention": self.drafter.attention,

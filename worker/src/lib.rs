@@ -262,6 +262,11 @@ pub fn run(args: WorkerArgs) -> Result<(), WorkerError> {
     };
     let mut stage: Box<dyn stage::Stage> = match load_stage(&args, role) {
         Ok(stage) => stage,
+        Err(reason) if reason.contains(torch::RENDEZVOUS_FAILED) => {
+            // Not the run's fault (a port taken meanwhile, a peer gone): exit as a crash, so
+            // that the orchestrator restarts the drafter group on a fresh port.
+            return Err(WorkerError::Stage(reason));
+        }
         Err(reason) => {
             // The orchestrator fails the run with this reason rather than restarting us in a loop.
             let _ = events.send(Event::Failed {

@@ -30,6 +30,10 @@ use crate::dflash::{SlotFeatures, Stepped};
 use crate::model::drafter::{DrafterConfig, MicroBatchLoss};
 use crate::stage::{Stage, publish_features, read_target_batch};
 
+/// How the child's error starts when the data-parallel drafters' rendezvous failed
+/// (`dflash_orch.serve.RENDEZVOUS_FAILED`).
+pub const RENDEZVOUS_FAILED: &str = "the drafters' rendezvous failed";
+
 /// The version of the pipe protocol (`dflash_orch.PROTOCOL`).
 pub const PROTOCOL: u64 = 1;
 
