@@ -808,32 +808,6 @@ fn a_fresh_launch_never_adopts_an_earlier_runs_checkpoint() {
     assert_clean(&run_dir);
 }
 
-/// Data-parallel drafters are not built: `--topology T:D` with D > 1 is refused at launch.
-#[test]
-fn more_than_one_drafter_is_refused_for_dflash() {
-    let dir = tempfile::tempdir().unwrap();
-    let target = tiny_target(dir.path());
-    let run_dir = dir.path().join("run");
-    let flags = RUN_FLAGS.map(|f| if f == "2:1" { "1:2" } else { f });
-    let out = Command::new(bin("dflash-orch"))
-        .arg("launch")
-        .args(flags)
-        .arg("--target-model")
-        .arg(&target)
-        .arg("--run-dir")
-        .arg(&run_dir)
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{stderr}");
-    assert!(
-        stderr.contains("--topology 1:2") && stderr.contains("one drafter"),
-        "{stderr}"
-    );
-    assert!(!run_dir.exists(), "nothing created");
-}
-
 /// A NaN in the features (a target worker poisons every position of one token id): the run
 /// stops at once, naming the batch, the target worker and the layer, and leaves nothing behind;
 /// resumed with `--on-nonfinite skip`, every step it would have poisoned is skipped, journalled

@@ -84,7 +84,15 @@ impl Run {
             return Ok(());
         }
         self.rewind_to = None;
-        if cursor >= self.committed_total {
+        if cursor == self.committed_total {
+            // Nothing voided, nothing ahead: the pipeline starts again from the commit cursor
+            // (the ranks' cursors of data-parallel drafters with it).
+            if self.epoch < self.config.epochs {
+                self.enter(self.epoch, self.step_base, self.dispatch.next_commit());
+            }
+            return Ok(());
+        }
+        if cursor > self.committed_total {
             let from = self.committed_total;
             self.enter(self.epoch, self.step_base, self.dispatch.next_commit());
             while self.committed_total < cursor && self.epoch < self.config.epochs {

@@ -491,7 +491,13 @@ impl Run {
                 self.metrics.reset_group();
                 // Data-parallel drafters: once every rank has said where it stands.
                 self.drafter_resumed = cursors.iter().all(Option::is_some);
-                if cursor != self.committed_total || self.rewind_to.is_some() {
+                // Data-parallel drafters always re-enter at the checkpoint: a rank may hold a lease
+                // past it (trained, not committable before another rank's batch) that the new
+                // processes must be given again.
+                if cursor != self.committed_total
+                    || self.rewind_to.is_some()
+                    || !self.group_workers().is_empty()
+                {
                     self.rewind_to = Some(cursor);
                 }
             }
