@@ -252,3 +252,19 @@ pub fn child_with(parent: u32, flag: &str, deadline: Duration) -> u32 {
     });
     found.expect("waited for it")
 }
+
+/// A random-weight Qwen3 target from `dflash-orch init-tiny`, in `dir/target`.
+pub fn tiny_target(dir: &Path) -> PathBuf {
+    let target = dir.join("target");
+    stdout_ok(&orch(&["init-tiny", "--output", target.to_str().unwrap()]));
+    target
+}
+
+/// `base`'s `--flag value` pairs, less those `extra` gives again (the caller appends `extra`).
+pub fn flags_without<'a>(base: &[&'a str], extra: &[&str]) -> Vec<&'a str> {
+    base.chunks(2)
+        .filter(|pair| !extra.contains(&pair[0]))
+        .flatten()
+        .copied()
+        .collect()
+}

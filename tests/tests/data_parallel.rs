@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use candle_core::{DType, Device, Tensor};
 use dflash_e2e::{
-    assert_clean, assert_refused, bin, finish, journal_events, orch, signal, status, stdout_ok,
-    test_python, wait_until,
+    assert_clean, assert_refused, bin, finish, flags_without, journal_events, orch, signal, status,
+    stdout_ok, test_python, tiny_target, wait_until,
 };
 use serde_json::Value;
 
@@ -45,21 +45,10 @@ const RUN_FLAGS: [&str; 24] = [
     "5",
 ];
 
-fn tiny_target(dir: &Path) -> PathBuf {
-    let target = dir.join("target");
-    stdout_ok(&orch(&["init-tiny", "--output", target.to_str().unwrap()]));
-    target
-}
-
 /// A torch launch of [`RUN_FLAGS`] on `cpu:T+D` with `--topology T:D`; `extra` adds options or
 /// changes those of RUN_FLAGS.
 fn launch(run_dir: &Path, target: &Path, topology: (u32, u32), extra: &[&str]) -> Command {
-    let mut flags: Vec<&str> = Vec::new();
-    for pair in RUN_FLAGS.chunks(2) {
-        if !extra.contains(&pair[0]) {
-            flags.extend(pair);
-        }
-    }
+    let flags = flags_without(&RUN_FLAGS, extra);
     let (t, d) = topology;
     let mut c = Command::new(bin("dflash-orch"));
     c.arg("launch")

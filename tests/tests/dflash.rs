@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use dflash_e2e::{
     assert_clean, assert_refused, bin, finish, journal_events, orch, signal, stdout_ok,
-    test_python, wait_until, worker_pid, workspace_root,
+    test_python, tiny_target, wait_until, worker_pid, workspace_root,
 };
 use serde_json::Value;
 
@@ -54,12 +54,6 @@ const RUN_FLAGS: [&str; 32] = [
 ];
 /// Batches between checkpoints: --save-every × --accum.
 const CHECKPOINT_BATCHES: u64 = 8;
-
-fn tiny_target(dir: &Path) -> PathBuf {
-    let target = dir.join("target");
-    stdout_ok(&orch(&["init-tiny", "--output", target.to_str().unwrap()]));
-    target
-}
 
 fn launch(run_dir: &Path, target: &Path) -> Command {
     launch_with(run_dir, target, &[])

@@ -11,8 +11,8 @@ use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
 use dflash_e2e::{
-    assert_clean, bin, children, finish, journal_events, orch, script, signal, stdout_ok,
-    test_python, wait_until, worker_pid, workspace_root,
+    assert_clean, bin, children, finish, flags_without, journal_events, orch, script, signal,
+    stdout_ok, test_python, tiny_target, wait_until, worker_pid, workspace_root,
 };
 use serde_json::Value;
 
@@ -51,20 +51,9 @@ const RUN_FLAGS: [&str; 26] = [
 
 const MIXED: &str = "target=torch,drafter=candle";
 
-fn tiny_target(dir: &Path) -> PathBuf {
-    let target = dir.join("target");
-    stdout_ok(&orch(&["init-tiny", "--output", target.to_str().unwrap()]));
-    target
-}
-
 /// A launch of [`RUN_FLAGS`] on `engine`; `extra` adds options or changes those of RUN_FLAGS.
 fn launch(run_dir: &Path, target: &Path, engine: &str, extra: &[&str]) -> Command {
-    let mut flags: Vec<&str> = Vec::new();
-    for pair in RUN_FLAGS.chunks(2) {
-        if !extra.contains(&pair[0]) {
-            flags.extend(pair);
-        }
-    }
+    let flags = flags_without(&RUN_FLAGS, extra);
     let mut c = Command::new(bin("dflash-orch"));
     c.arg("launch")
         .args(CPU_WORKERS)
