@@ -363,6 +363,12 @@ pub struct DrafterRank {
     pub rendezvous: Option<String>,
     /// How long forming the group and each collective may take, in seconds.
     pub timeout_s: f64,
+    /// This rank writes its node's checkpoints: the first rank of each node (every rank holds
+    /// the same weights), so that every node's run directory can resume on its own.
+    pub writes_checkpoints: bool,
+    /// The checkpoint step to start from, agreed by every node of a run of several (0: fresh
+    /// weights); `None`: the latest checkpoint.
+    pub resume_step: Option<u64>,
 }
 
 impl DrafterRank {
@@ -373,6 +379,10 @@ impl DrafterRank {
         "DFLASH_DRAFTER_RENDEZVOUS",
         "DFLASH_DRAFTER_TIMEOUT_S",
     ];
+    /// With several nodes: the rank's place on its node (the first writes its checkpoints) and
+    /// the checkpoint step every node starts from.
+    pub const NODE_ENV: [&'static str; 2] =
+        ["DFLASH_DRAFTER_LOCAL_RANK", "DFLASH_DRAFTER_RESUME_STEP"];
     /// The timeout when none is given.
     pub const DEFAULT_TIMEOUT_S: f64 = 120.0;
 
@@ -382,6 +392,8 @@ impl DrafterRank {
             ranks: 1,
             rendezvous: None,
             timeout_s: Self::DEFAULT_TIMEOUT_S,
+            writes_checkpoints: true,
+            resume_step: None,
         }
     }
 
@@ -433,11 +445,28 @@ impl DrafterRank {
                     format!("{timeout_var}={v:?} is not a positive number of seconds")
                 })?,
         };
+        let [local_var, resume_var] = Self::NODE_ENV;
+        let local = number(local_var)?;
+        if local.is_some_and(|l| l > rank) {
+            return Err(format!(
+                "{local_var}={} is past {rank_var}={rank} (a rank's place on its node)",
+                local.unwrap_or_default()
+            ));
+        }
+        let resume_step = get(resume_var)
+            .map(|v| {
+                v.trim()
+                    .parse::<u64>()
+                    .map_err(|_| format!("{resume_var}={v:?} is not a whole number"))
+            })
+            .transpose()?;
         Ok(Self {
             rank,
             ranks,
             rendezvous,
             timeout_s,
+            writes_checkpoints: local.unwrap_or(rank) == 0,
+            resume_step,
         })
     }
 }
@@ -1076,6 +1105,43 @@ mod tests {
         .unwrap();
         assert_eq!((r.rank, r.ranks, r.timeout_s), (1, 2, 30.0));
         assert_eq!(r.rendezvous.as_deref(), Some("127.0.0.1:29500"));
+        assert!(!r.writes_checkpoints && r.resume_step.is_none());
+        // The first drafter of the second node writes that node's checkpoints.
+        let r = DrafterRank::from_env(env(&[
+            ("DFLASH_DRAFTER_RANK", "2"),
+            ("DFLASH_DRAFTER_RANKS", "4"),
+            ("DFLASH_DRAFTER_RENDEZVOUS", "node0:29400"),
+            ("DFLASH_DRAFTER_LOCAL_RANK", "0"),
+            ("DFLASH_DRAFTER_RESUME_STEP", "50"),
+        ]))
+        .unwrap();
+        assert!(r.writes_checkpoints);
+        assert_eq!(r.resume_step, Some(50));
+        let two = [
+            ("DFLASH_DRAFTER_RANK", "1"),
+            ("DFLASH_DRAFTER_RANKS", "2"),
+            ("DFLASH_DRAFTER_RENDEZVOUS", "h:1"),
+        ];
+        for (extra, says) in [
+            (
+                ("DFLASH_DRAFTER_LOCAL_RANK", "2"),
+                "is past DFLASH_DRAFTER_RANK=1",
+            ),
+            (("DFLASH_DRAFTER_LOCAL_RANK", "-1"), "is not a whole number"),
+            (
+                ("DFLASH_DRAFTER_RESUME_STEP", "1e3"),
+                "is not a whole number",
+            ),
+        ] {
+            let e = DrafterRank::from_env(|name: &str| {
+                two.iter()
+                    .chain([&extra])
+                    .find(|(k, _)| *k == name)
+                    .map(|(_, v)| (*v).to_owned())
+            })
+            .unwrap_err();
+            assert!(e.contains(says), "{e}");
+        }
         for (bad, says) in [
             (&[("DFLASH_DRAFTER_RANK", "1")][..], "go together"),
             (

@@ -56,3 +56,15 @@ pub fn segment(run_id: &str, nonce: u64, ring: &str) -> PathBuf {
 pub fn segment_prefix(run_id: &str) -> String {
     format!("dflash-{run_id}-")
 }
+
+/// Steps of the finished checkpoints under `root` (directories `step-N`), ascending.
+pub fn checkpoint_steps(root: &Path) -> Vec<u64> {
+    let mut steps: Vec<u64> = std::fs::read_dir(root)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.strip_prefix("step-")?.parse().ok())
+        .collect();
+    steps.sort_unstable();
+    steps
+}

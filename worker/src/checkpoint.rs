@@ -208,14 +208,7 @@ pub fn save(root: &Path, snapshot: &Snapshot, keep: usize) -> io::Result<PathBuf
 
 /// Steps of the finished checkpoints under `root`, ascending.
 pub fn steps(root: &Path) -> Vec<u64> {
-    let mut steps: Vec<u64> = fs::read_dir(root)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.strip_prefix("step-")?.parse().ok())
-        .collect();
-    steps.sort_unstable();
-    steps
+    dflash_common::run_dir::checkpoint_steps(root)
 }
 
 fn rotate(root: &Path, keep: usize) -> io::Result<()> {
@@ -235,7 +228,28 @@ pub fn load_latest(root: &Path) -> io::Result<Option<(PathBuf, Snapshot)>> {
     let Ok(name) = fs::read_to_string(root.join("latest")) else {
         return Ok(None);
     };
-    let dir = root.join(name.trim());
+    load_dir(root.join(name.trim()))
+}
+
+/// The checkpoint of `step` (`None` for step 0: fresh weights); an error when it is not there.
+pub fn load_step(root: &Path, step: u64) -> io::Result<Option<(PathBuf, Snapshot)>> {
+    if step == 0 {
+        return Ok(None);
+    }
+    let dir = root.join(format!("step-{step}"));
+    if !dir.is_dir() {
+        return Err(io::Error::new(
+            io::ErrorKind::NotFound,
+            format!(
+                "no checkpoint of step {step} ({} is missing)",
+                dir.display()
+            ),
+        ));
+    }
+    load_dir(dir)
+}
+
+fn load_dir(dir: PathBuf) -> io::Result<Option<(PathBuf, Snapshot)>> {
     let bad = |what: String| io::Error::new(io::ErrorKind::InvalidData, what);
     let state: TrainingState = serde_json::from_slice(&fs::read(dir.join("state.json"))?)
         .map_err(|e| bad(format!("{}: {e}", dir.join("state.json").display())))?;
@@ -508,6 +522,12 @@ mod tests {
         let (dir, loaded) = load_latest(&root).unwrap().unwrap();
         assert_eq!(dir, root.join("step-30"));
         assert_eq!(loaded, snapshot(30), "the run fingerprint included");
+        // An agreed step other than the latest, fresh weights, and a rotated step refused.
+        let (dir, loaded) = load_step(&root, 20).unwrap().unwrap();
+        assert_eq!((dir, loaded), (root.join("step-20"), snapshot(20)));
+        assert!(load_step(&root, 0).unwrap().is_none());
+        let gone = load_step(&root, 10).unwrap_err().to_string();
+        assert!(gone.contains("no checkpoint of step 10"), "{gone}");
         // Nothing half-made is left beside them.
         let names: Vec<String> = fs::read_dir(&root)
             .unwrap()

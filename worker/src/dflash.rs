@@ -593,7 +593,13 @@ impl DrafterStage {
             settings.target_layer_ids.clone(),
         );
         let root = &settings.checkpoint_dir;
-        let latest = checkpoint::load_latest(root).map_err(|e| {
+        let rank = DrafterRank::from_env(|name| std::env::var(name).ok())?;
+        // Several nodes start from the step every node has a checkpoint of.
+        let latest = match rank.resume_step {
+            None => checkpoint::load_latest(root),
+            Some(step) => checkpoint::load_step(root, step),
+        }
+        .map_err(|e| {
             format!(
                 "cannot read the latest checkpoint in {}: {e}",
                 root.display()
@@ -627,7 +633,6 @@ impl DrafterStage {
             checkpoint::fits(snapshot, &config).map_err(misfit)?;
         }
         let hf_config = checkpoint::hf_config(&config, &target);
-        let rank = DrafterRank::from_env(|name| std::env::var(name).ok())?;
         let compute: Box<dyn DrafterCompute> = match settings.engines.drafter {
             Engine::Candle if rank.ranks > 1 => {
                 return Err(format!(
@@ -648,8 +653,8 @@ impl DrafterStage {
             (s.state.step, s.state.plan_cursor, s.state.epoch)
         });
         drop(latest);
-        // Rank 0 alone writes (and prunes) checkpoints.
-        let writer = if rank.rank == 0 {
+        // Rank 0 alone writes (and prunes) checkpoints; with several nodes, each node's first.
+        let writer = if rank.writes_checkpoints {
             Some(
                 checkpoint::Writer::start(root.clone(), settings.keep_checkpoints)
                     .map_err(|e| format!("cannot start the checkpoint writer: {e}"))?,
@@ -689,7 +694,7 @@ impl DrafterStage {
         if self.rank.ranks > 1 && check {
             self.compute.check_replicas()?;
         }
-        if self.rank.rank != 0 {
+        if !self.rank.writes_checkpoints {
             self.saved_step = self.step;
             return Ok(());
         }

@@ -93,6 +93,31 @@ pub struct LaunchArgs {
     #[arg(long, value_name = "ADDR")]
     pub metrics_addr: Option<String>,
 
+    /// Nodes of the run: one orchestrator per node (this command on each, with its own
+    /// --node-rank), each with its own targets feeding its own drafters, every node's drafters in
+    /// one torch.distributed group (only gradients cross nodes). 2 to 4096; needs --stage dflash
+    /// --engine torch, the same store (by content) and options on every node, and --accum at
+    /// least the drafters of all nodes. Filled in from Slurm (SLURM_NNODES, SLURM_NODEID, the
+    /// first host of SLURM_JOB_NODELIST) or torchrun (WORLD_SIZE / LOCAL_WORLD_SIZE,
+    /// GROUP_RANK, MASTER_ADDR:MASTER_PORT) when not given.
+    #[arg(long, value_name = "N", help_heading = "Several nodes", value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub nodes: Option<u32>,
+
+    /// This node's rank, 0 to --nodes - 1; node 0 listens at --rendezvous and checks the others.
+    #[arg(long, value_name = "R", help_heading = "Several nodes", value_parser = clap::value_parser!(u32).range(0..4096))]
+    pub node_rank: Option<u32>,
+
+    /// Node 0's HOST:PORT, reachable from every node: node 0 listens on PORT (refused when it
+    /// is taken), and the drafters' group meets on another port of HOST that node 0 picks.
+    /// [default with Slurm: the first host of the job, port 29400]
+    #[arg(long, value_name = "HOST:PORT", help_heading = "Several nodes")]
+    pub rendezvous: Option<String>,
+
+    /// How long the nodes may take to join (node 0 waits for every other; the others retry
+    /// until node 0 answers), in seconds: 1 to 86400.
+    #[arg(long, value_name = "SECS", default_value_t = 300.0, help_heading = "Several nodes", value_parser = options::real(1.0, 86_400.0, " seconds"))]
+    pub rendezvous_timeout: f64,
+
     /// Continue the run in --run-dir from its journal. Its options come from the journal: an
     /// option given again must have the journal's value, except those that may change on resume:
     /// --gpus and --topology (the number of target workers, not of drafters), --metrics-addr,
@@ -426,10 +451,109 @@ pub fn config_from_args(
         dflash,
         job_timeout_s: args.job_timeout.seconds(),
         stop_grace_s: args.stop_grace,
+        nodes: node_config(args, stored)?,
     })
 }
 
-pub fn run(args: LaunchArgs) -> Result<(), CliError> {
+/// This node's place among the run's nodes: from the options, else (on resume) the journal's.
+fn node_config(
+    args: &LaunchArgs,
+    stored: Option<&RunConfig>,
+) -> Result<Option<runtime::nodes::NodeConfig>, CliError> {
+    let before = stored.and_then(|s| s.nodes.as_ref());
+    let nodes = args.nodes.or(before.map(|n| n.nodes)).unwrap_or(1);
+    if nodes == 1 {
+        if args.node_rank.is_some_and(|r| r > 0) {
+            return Err(CliError::Invalid(format!(
+                "--node-rank {} is not a node of a run of one node (pass --nodes N)",
+                args.node_rank.unwrap_or_default()
+            )));
+        }
+        return Ok(None);
+    }
+    let rank = args
+        .node_rank
+        .or(before.map(|n| n.rank))
+        .ok_or_else(|| CliError::Invalid(format!("--nodes {nodes} needs --node-rank R")))?;
+    let rendezvous = args
+        .rendezvous
+        .clone()
+        .or(before.map(|n| n.rendezvous.clone()))
+        .ok_or_else(|| {
+            CliError::Invalid(format!(
+                "--nodes {nodes} needs --rendezvous HOST:PORT (node 0's)"
+            ))
+        })?;
+    let config = runtime::nodes::NodeConfig {
+        nodes,
+        rank,
+        rendezvous,
+        timeout_s: args.rendezvous_timeout,
+    };
+    config.check().map_err(CliError::Invalid)?;
+    Ok(Some(config))
+}
+
+/// `--nodes`, `--node-rank` and `--rendezvous` from Slurm's or torchrun's environment (read
+/// through `get`) where not given; each filled option counts as given.
+pub fn nodes_from_env(
+    args: &mut LaunchArgs,
+    get: impl Fn(&str) -> Option<String>,
+) -> Result<(), CliError> {
+    let number = |name: &str| -> Result<Option<u32>, CliError> {
+        get(name)
+            .map(|v| {
+                v.trim()
+                    .parse::<u32>()
+                    .map_err(|_| CliError::Invalid(format!("{name}={v:?} is not a whole number")))
+            })
+            .transpose()
+    };
+    let (nodes, rank, rendezvous) = if let Some(n) = number("SLURM_NNODES")? {
+        let host = get("SLURM_JOB_NODELIST")
+            .map(|list| {
+                runtime::nodes::first_slurm_host(&list).ok_or_else(|| {
+                    CliError::Invalid(format!("SLURM_JOB_NODELIST={list:?} names no host"))
+                })
+            })
+            .transpose()?;
+        (
+            Some(n),
+            number("SLURM_NODEID")?,
+            host.map(|h| format!("{h}:29400")),
+        )
+    } else if let (Some(world), Some(local)) = (number("WORLD_SIZE")?, number("LOCAL_WORLD_SIZE")?)
+    {
+        if local == 0 || world % local != 0 {
+            return Err(CliError::Invalid(format!(
+                "WORLD_SIZE={world} is not a whole number of LOCAL_WORLD_SIZE={local} nodes"
+            )));
+        }
+        let addr = match (get("MASTER_ADDR"), get("MASTER_PORT")) {
+            (Some(a), Some(p)) => Some(format!("{a}:{p}")),
+            _ => None,
+        };
+        (Some(world / local), number("GROUP_RANK")?, addr)
+    } else {
+        return Ok(());
+    };
+    if args.nodes.is_none() && nodes.is_some_and(|n| n > 1) {
+        args.nodes = nodes;
+        args.given.push("nodes".into());
+    }
+    if args.node_rank.is_none() && args.nodes.is_some() && rank.is_some() {
+        args.node_rank = rank;
+        args.given.push("node-rank".into());
+    }
+    if args.rendezvous.is_none() && args.nodes.is_some() && rendezvous.is_some() {
+        args.rendezvous = rendezvous;
+        args.given.push("rendezvous".into());
+    }
+    Ok(())
+}
+
+pub fn run(mut args: LaunchArgs) -> Result<(), CliError> {
+    nodes_from_env(&mut args, |name| std::env::var(name).ok())?;
     if args.dry_run {
         return dry_run(&args);
     }
@@ -631,4 +755,115 @@ fn dry_run_text(d: &runtime::dry_run::DryRun) -> String {
         let _ = writeln!(out, "a launch would start");
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(extra: &[&str]) -> LaunchArgs {
+        let line = [&["dflash-orch", "launch", "--run-dir", "r"][..], extra].concat();
+        match crate::cli::parse(line).unwrap().command {
+            crate::cli::Command::Launch(a) => *a,
+            _ => unreachable!("a launch line"),
+        }
+    }
+
+    fn env<'a>(pairs: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |name| {
+            pairs
+                .iter()
+                .find(|(k, _)| *k == name)
+                .map(|(_, v)| (*v).to_owned())
+        }
+    }
+
+    /// Slurm's and torchrun's variables fill in what the command line leaves out (and count as
+    /// given); the command line wins; bad values are refused naming the variable.
+    #[test]
+    fn the_nodes_come_from_slurm_or_torchrun_when_not_given() {
+        let mut a = args(&[]);
+        let slurm = [
+            ("SLURM_NNODES", "4"),
+            ("SLURM_NODEID", "2"),
+            ("SLURM_JOB_NODELIST", "gpu[07-10]"),
+        ];
+        nodes_from_env(&mut a, env(&slurm)).unwrap();
+        assert_eq!((a.nodes, a.node_rank), (Some(4), Some(2)));
+        assert_eq!(a.rendezvous.as_deref(), Some("gpu07:29400"));
+        assert!(a.given.iter().any(|g| g == "rendezvous"));
+
+        let mut a = args(&["--node-rank", "1", "--rendezvous", "h:5"]);
+        nodes_from_env(&mut a, env(&slurm)).unwrap();
+        assert_eq!(
+            (a.node_rank, a.rendezvous.as_deref()),
+            (Some(1), Some("h:5"))
+        );
+
+        let mut a = args(&[]);
+        let torchrun = [
+            ("WORLD_SIZE", "8"),
+            ("LOCAL_WORLD_SIZE", "4"),
+            ("GROUP_RANK", "1"),
+            ("MASTER_ADDR", "10.0.0.1"),
+            ("MASTER_PORT", "29500"),
+        ];
+        nodes_from_env(&mut a, env(&torchrun)).unwrap();
+        assert_eq!((a.nodes, a.node_rank), (Some(2), Some(1)));
+        assert_eq!(a.rendezvous.as_deref(), Some("10.0.0.1:29500"));
+
+        // One node under Slurm is a run of one node.
+        let mut a = args(&[]);
+        nodes_from_env(&mut a, env(&[("SLURM_NNODES", "1"), ("SLURM_NODEID", "0")])).unwrap();
+        assert_eq!(a.nodes, None);
+
+        for (bad, says) in [
+            (
+                &[("SLURM_NNODES", "two")][..],
+                "SLURM_NNODES=\"two\" is not a whole number",
+            ),
+            (
+                &[("SLURM_NNODES", "2"), ("SLURM_JOB_NODELIST", "n[")][..],
+                "names no host",
+            ),
+            (
+                &[("WORLD_SIZE", "6"), ("LOCAL_WORLD_SIZE", "4")][..],
+                "not a whole number of LOCAL_WORLD_SIZE",
+            ),
+        ] {
+            let mut a = args(&[]);
+            let e = nodes_from_env(&mut a, env(bad)).unwrap_err().to_string();
+            assert!(e.contains(says), "{e}");
+        }
+    }
+
+    /// `--node-rank` past `--nodes`, and a run of several nodes without its rendezvous, are
+    /// refused naming the option.
+    #[test]
+    fn bad_node_options_are_refused_naming_them() {
+        let base = ["--gpus", "cpu:2", "--synthetic", "10"];
+        for (extra, says) in [
+            (
+                &["--nodes", "2", "--node-rank", "2", "--rendezvous", "h:1"][..],
+                "--node-rank 2 is not a node of --nodes 2",
+            ),
+            (
+                &["--nodes", "2", "--node-rank", "0"][..],
+                "needs --rendezvous",
+            ),
+            (
+                &["--nodes", "2", "--rendezvous", "h:1"][..],
+                "needs --node-rank",
+            ),
+            (&["--node-rank", "1"][..], "a run of one node"),
+            (
+                &["--nodes", "2", "--node-rank", "0", "--rendezvous", "h"][..],
+                "--rendezvous \"h\" is not HOST:PORT",
+            ),
+        ] {
+            let a = args(&[&base[..], extra].concat());
+            let e = config_from_args(&a, None).unwrap_err().to_string();
+            assert!(e.contains(says), "{extra:?}: {e}");
+        }
+    }
 }

@@ -65,6 +65,24 @@ fn text(v: &Value) -> String {
     if let Some(addr) = r["metrics_addr"].as_str() {
         let _ = writeln!(o, "metrics: http://{addr}/metrics");
     }
+    // A run of several nodes: the others as node 0 last heard of them.
+    for n in v["nodes"].as_array().into_iter().flatten().skip(1) {
+        let nr = &n["run"];
+        let _ = writeln!(
+            o,
+            "node {} ({}, heard {:.1} s ago): epoch {}/{}, batch {}/{}, {} steps committed, {:.0} tokens/s",
+            n["node"],
+            nr["state"].as_str().unwrap_or("?"),
+            n["age_s"].as_f64().unwrap_or(0.0),
+            nr["epoch"],
+            nr["epochs"],
+            nr["batch"],
+            nr["batches"],
+            nr["committed_steps"],
+            nr["tokens_per_s"].as_f64().unwrap_or(0.0),
+        );
+    }
+    let node_column = v["nodes"].is_array();
     let header = [
         "id",
         "role",
@@ -76,6 +94,9 @@ fn text(v: &Value) -> String {
         "restarts",
         "heartbeat",
     ];
+    if node_column {
+        o.push_str("node ");
+    }
     let _ = writeln!(
         o,
         "{:>3} {:<8} {:<7} {:>8} {:<10} {:<8} {:>8} {:>8} {:>9}  gpu / last exit",
@@ -114,6 +135,9 @@ fn text(v: &Value) -> String {
             .as_str()
             .map(|e| format!("; last exit: {e}"))
             .unwrap_or_default();
+        if node_column {
+            let _ = write!(o, "{:>4} ", w["node"]);
+        }
         let _ = writeln!(
             o,
             "{:>3} {:<8} {:<7} {:>8} {:<10} {:<8} {:>8} {:>8} {:>8}s  {gpu}{last}",

@@ -46,6 +46,9 @@ pub struct RunConfig {
     /// Served-acceptance evaluations during training (`--eval-every`).
     #[serde(default)]
     pub eval: Option<eval::EvalConfig>,
+    /// This node's place in a run of several (`--nodes`, `--node-rank`, `--rendezvous`).
+    #[serde(default)]
+    pub nodes: Option<super::nodes::NodeConfig>,
 }
 
 fn default_stop_grace() -> f64 {
@@ -89,6 +92,10 @@ impl RunConfig {
         // Held-out samples are left out of the plans.
         let holdout = |c: &RunConfig| c.eval.as_ref().map_or(0, |e| e.holdout);
         check("held-out samples", holdout(self) == holdout(other));
+        // Every node's drafters sum their gradients in one order: the nodes and this node's
+        // place among them stay.
+        let place = |c: &RunConfig| c.nodes.as_ref().map(|n| (n.nodes, n.rank));
+        check("nodes", place(self) == place(other));
         differ
     }
 }

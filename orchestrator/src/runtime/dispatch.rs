@@ -86,23 +86,40 @@ pub enum Assignment {
     Any,
     /// Data-parallel drafters, workers `first..first + drafters`: batch `b` of the epoch sits at
     /// position `b % accum` of its accumulation group and goes to drafter rank
-    /// `(b % accum) % drafters`, so the arithmetic of a step does not depend on who was free.
+    /// `(b % accum) % world`, so the arithmetic of a step does not depend on who was free. The
+    /// workers are ranks `base..base + drafters` of the `world` ranks of every node (one node:
+    /// `base` 0, `world` = `drafters`); the other nodes' batches are neither fed nor trained
+    /// here, and pass the commit cursor as their turn comes.
     ByPosition {
         first: usize,
         drafters: usize,
         accum: usize,
+        base: usize,
+        world: usize,
     },
 }
 
 impl Assignment {
-    /// The drafter rank that trains `batch` (`None`: any).
+    /// The rank among this node's drafters that trains `batch` (`None`: any drafter, or another
+    /// node's).
     pub fn rank_of(self, batch: usize) -> Option<usize> {
         match self {
             Assignment::Any => None,
             Assignment::ByPosition {
-                drafters, accum, ..
-            } => Some((batch % accum.max(1)) % drafters.max(1)),
+                drafters,
+                accum,
+                base,
+                world,
+                ..
+            } => ((batch % accum.max(1)) % world.max(1))
+                .checked_sub(base)
+                .filter(|&r| r < drafters),
         }
+    }
+
+    /// Whether this node trains `batch`.
+    pub fn is_local(self, batch: usize) -> bool {
+        matches!(self, Assignment::Any) || self.rank_of(batch).is_some()
     }
 }
 
@@ -201,6 +218,11 @@ impl Dispatch {
 
     /// [`Dispatch::feed`], of batches before `limit` only.
     pub fn feed_below(&mut self, limit: usize) -> Option<(usize, u32, u64)> {
+        // Other nodes' batches are theirs to feed.
+        while self.next_feed < self.batches.min(limit) && !self.assignment.is_local(self.next_feed)
+        {
+            self.next_feed += 1;
+        }
         if self.next_feed >= self.batches.min(limit) {
             return None;
         }
@@ -269,23 +291,29 @@ impl Dispatch {
     /// (at or past the size: the rank takes part in that group's step). `None`: nothing left.
     fn next_of_rank(&self, rank: usize) -> Option<usize> {
         let Assignment::ByPosition {
-            drafters, accum, ..
+            drafters,
+            accum,
+            base,
+            world,
+            ..
         } = self.assignment
         else {
             return None;
         };
-        let (drafters, accum) = (drafters.max(1), accum.max(1));
-        if rank >= drafters || rank >= accum {
+        let (world, accum) = (world.max(1), accum.max(1));
+        // Its rank among every node's drafters.
+        let g = base + rank;
+        if rank >= drafters || g >= world || g >= accum {
             return None; // a rank past the group's size has no position in any group
         }
         let from = *self.rank_next.get(rank)?;
         let (group, pos) = (from / accum, from % accum);
-        // The first position from `pos` on that is `rank` modulo `drafters`.
-        let p = pos + (rank + drafters - pos % drafters) % drafters;
+        // The first position from `pos` on that is `g` modulo `world`.
+        let p = pos + (g + world - pos % world) % world;
         let at = if p < accum {
             group * accum + p
         } else {
-            (group + 1) * accum + rank
+            (group + 1) * accum + g
         };
         if at < self.batches {
             return Some(at);
@@ -293,7 +321,7 @@ impl Dispatch {
         // Past the end: its group exists, starts after the entry (a group before it is done),
         // and this is the rank's first place in it.
         let start = at - at % accum;
-        (start < self.batches && start >= self.entered && at % accum == rank).then_some(at)
+        (start < self.batches && start >= self.entered && at % accum == g).then_some(at)
     }
 
     /// The end of the accumulation group of plan place `at` (a step's place included).
@@ -430,6 +458,11 @@ impl Dispatch {
     /// moves past it. The caller journals the commit.
     pub fn commit_next(&mut self) -> Option<usize> {
         let b = self.next_commit;
+        if b < self.batches && !self.assignment.is_local(b) {
+            // Another node's: its drafters train it in the same steps as this node's.
+            self.next_commit += 1;
+            return Some(b);
+        }
         let slot = self
             .feature_slots
             .iter()
@@ -666,13 +699,13 @@ mod tests {
                         }
                         last[rank] = Some(job.batch);
                     } else if let Some(last_batch) = d.lease_step(targets + rank) {
-                        let Assignment::ByPosition { accum, .. } = assignment else {
+                        let Assignment::ByPosition { accum, base, .. } = assignment else {
                             panic!("a step lease without data-parallel drafters");
                         };
                         let len = batches - (batches - 1) / accum * accum;
                         assert_eq!(last_batch, batches - 1);
                         assert!(
-                            rank >= len,
+                            base + rank >= len,
                             "rank {rank} has a batch in the last group of {len}"
                         );
                         assert!(!stepped[rank], "rank {rank} given the step twice");
@@ -752,11 +785,18 @@ mod tests {
             );
             apply(&mut d, &Op::Train(r), &mut commits, &mut last, &mut stepped);
         }
-        if let Assignment::ByPosition { accum, .. } = assignment {
+        if let Assignment::ByPosition {
+            accum,
+            base,
+            drafters,
+            world,
+            ..
+        } = assignment
+        {
             let len = batches - (batches - 1) / accum * accum;
             for (rank, &done) in stepped.iter().enumerate() {
                 // A rewind after the step voids it; one into the last group brings it back.
-                if rank >= len && d.entered <= (batches - 1) / accum * accum {
+                if base + rank >= len && d.entered <= (batches - 1) / accum * accum {
                     assert!(
                         done,
                         "rank {rank} never stepped with the short last group of {len}"
@@ -764,7 +804,13 @@ mod tests {
                 }
             }
             assert!(d.drafters_at_step_boundary());
-            assert_eq!(d.step_boundary(), batches.max(d.entered));
+            if world == drafters {
+                assert_eq!(d.step_boundary(), batches.max(d.entered));
+            } else {
+                // A node entered past its ranks' last places stands at its entry.
+                let b = d.step_boundary();
+                assert!(b == d.entered || b == batches, "boundary {b}");
+            }
         }
         (commits, d)
     }
@@ -791,18 +837,29 @@ mod tests {
 
         /// Data-parallel drafters: every batch trained and committed once, in plan order; each
         /// drafter given only the batches its rank owns, in plan order; no slot leaks; under
-        /// random crashes of any worker and rewinds.
+        /// random crashes of any worker and rewinds. On one node of several, the other nodes'
+        /// batches pass the commit cursor untrained here.
         #[test]
         fn data_parallel_drafters_train_their_own_batches_in_plan_order(
             batches in 1usize..40,
             targets in 1usize..4,
             drafters in 1usize..4,
             accum in 1usize..7,
+            nodes in 1usize..4,
+            node in 0usize..3,
             ops in proptest::collection::vec(op(), 0..300),
         ) {
             // A rank past the group's size has nothing to train: a run has no such rank.
-            let drafters = drafters.min(accum);
-            let assignment = Assignment::ByPosition { first: targets, drafters, accum };
+            let nodes = nodes.min(accum);
+            let drafters = drafters.min(accum / nodes);
+            let node = node % nodes;
+            let assignment = Assignment::ByPosition {
+                first: targets,
+                drafters,
+                accum,
+                base: node * drafters,
+                world: nodes * drafters,
+            };
             let (commits, d) = drive_with(batches, targets, drafters, assignment, &ops);
             prop_assert_eq!(commits, (0..batches).collect::<Vec<_>>());
             prop_assert!(!d.holds_leases());
@@ -820,6 +877,8 @@ mod tests {
             first: 1,
             drafters: 2,
             accum: 4,
+            base: 0,
+            world: 2,
         };
         let ranks: Vec<_> = (0..10).map(|b| a.rank_of(b).unwrap()).collect();
         assert_eq!(ranks, [0, 1, 0, 1, 0, 1, 0, 1, 0, 1]);
@@ -827,6 +886,8 @@ mod tests {
             first: 1,
             drafters: 2,
             accum: 3,
+            base: 0,
+            world: 2,
         };
         let ranks: Vec<_> = (0..7).map(|b| three.rank_of(b).unwrap()).collect();
         assert_eq!(ranks, [0, 1, 0, 0, 1, 0, 0]);
@@ -863,6 +924,8 @@ mod tests {
             first: 1,
             drafters: 2,
             accum: 4,
+            base: 0,
+            world: 2,
         };
         // 9 batches: groups 0..4, 4..8 and 8..9.
         let mut d = Dispatch::new(16, 16, 3).with_assignment(a);
@@ -912,6 +975,57 @@ mod tests {
         d.stepped(2).unwrap();
         d.enter(9, 9);
         assert_eq!(d.lease_step(2), None);
+    }
+
+    /// Two nodes of one drafter each (`--accum 4`, 9 batches): each feeds and trains only the
+    /// batches of its rank, both commit the whole plan in order, and the node without a batch
+    /// in the short last group takes part in its step.
+    #[test]
+    fn two_nodes_split_every_group_and_commit_the_whole_plan() {
+        let mut trained: Vec<Vec<usize>> = Vec::new();
+        for node in 0..2 {
+            let a = Assignment::ByPosition {
+                first: 1,
+                drafters: 1,
+                accum: 4,
+                base: node,
+                world: 2,
+            };
+            let mut d = Dispatch::new(4, 4, 2).with_assignment(a);
+            d.enter(9, 0);
+            let (mut mine, mut fed, mut commits) = (Vec::new(), Vec::new(), Vec::new());
+            for _ in 0..40 {
+                while let Some((b, ..)) = d.feed() {
+                    fed.push(b);
+                }
+                if d.lease_forward(0).is_some() {
+                    d.forwarded(0).unwrap();
+                }
+                if let Some(job) = d.lease_train(1) {
+                    mine.push(job.batch);
+                    d.trained(1).unwrap();
+                }
+                while let Some(b) = d.commit_next() {
+                    commits.push(b);
+                }
+            }
+            assert_eq!(fed, mine, "node {node} feeds only what it trains");
+            assert_eq!(commits, (0..9).collect::<Vec<_>>(), "node {node}");
+            let step = d.lease_step(1);
+            assert_eq!(
+                step.is_some(),
+                node == 1,
+                "node {node}: the short group's step"
+            );
+            if step.is_some() {
+                d.stepped(1).unwrap();
+            }
+            assert!(d.drafters_at_step_boundary());
+            assert!(!d.holds_leases() && d.slots_in_use() == 0);
+            trained.push(mine);
+        }
+        assert_eq!(trained[0], [0, 2, 4, 6, 8]);
+        assert_eq!(trained[1], [1, 3, 5, 7]);
     }
 
     #[test]

@@ -81,7 +81,9 @@ impl Run {
                 v
             })
             .collect();
+        let (workers, nodes) = self.with_other_nodes(workers, now);
         json!({
+            "nodes": nodes,
             "run": {
                 "run_dir": self.run_dir.display().to_string(),
                 "run_id": self.run_id,
@@ -100,9 +102,31 @@ impl Run {
                 "gpu_unavailable": self.monitor.unavailable,
                 "training": self.metrics.last,
                 "eval": self.metrics.last_eval,
+                "node": self.link.as_ref().map(|l| l.rank),
             },
             "workers": workers,
         })
+    }
+
+    /// With several nodes: every worker marked with its node, and on node 0 the other nodes'
+    /// workers and runs from their newest status (`nodes`, with its age).
+    fn with_other_nodes(&self, mut workers: Vec<Value>, now: Instant) -> (Vec<Value>, Value) {
+        let Some(link) = &self.link else {
+            return (workers, Value::Null);
+        };
+        for w in &mut workers {
+            w["node"] = json!(link.rank);
+        }
+        let mut nodes = vec![json!({"node": link.rank, "age_s": 0.0})];
+        for (node, (at, status)) in &link.status {
+            nodes.push(json!({
+                "node": node,
+                "age_s": now.duration_since(*at).as_secs_f64(),
+                "run": status["run"],
+            }));
+            workers.extend(status["workers"].as_array().into_iter().flatten().cloned());
+        }
+        (workers, json!(nodes))
     }
 
     pub(super) fn gpu_telemetry(&self, device: Device) -> Value {

@@ -22,7 +22,7 @@ use super::run_lock::{
 use super::spec::{self, Device, Topology};
 use super::{
     Dispatch, Outcome, RunConfig, RunError, SYNTHETIC_VOCAB, Summary, Tokens, Worker, WorkerState,
-    control, dflash_stage, gpu_count, init_nvml, workers,
+    control, dflash_stage, gpu_count, init_nvml, nodes, workers,
 };
 use crate::planner::Planner;
 use crate::store::Store;
@@ -79,11 +79,88 @@ pub fn check_options(
             )));
         }
     }
+    if let Some(n) = &config.nodes {
+        n.check().map_err(RunError::Invalid)?;
+        let torch = config
+            .dflash
+            .as_ref()
+            .is_some_and(|s| s.engines.drafter == dflash_common::dflash::Engine::Torch);
+        if !torch {
+            return Err(RunError::Invalid(format!(
+                "--nodes {}: the drafters of several nodes train together on the torch engine (--stage dflash --engine torch)",
+                n.nodes
+            )));
+        }
+        let world = n.nodes * topology.drafters;
+        if config.planner.accum < world {
+            return Err(RunError::Invalid(format!(
+                "--nodes {} with {} drafters each and --accum {}: each of the {world} drafters needs a micro-batch of every accumulation group; pass --accum {world} or more (--accum counts micro-batches per step in total, over every node)",
+                n.nodes, topology.drafters, config.planner.accum
+            )));
+        }
+    }
     Ok(CheckedOptions {
         plan: plan_config,
         devices,
         topology,
     })
+}
+
+/// Joins the run's other nodes (see [`nodes`]): checks that they train the same run and agrees
+/// where it resumes. Nothing is created here: a refusal leaves nothing behind.
+fn join_nodes(
+    n: &nodes::NodeConfig,
+    config: &RunConfig,
+    drafters: u32,
+    resume: bool,
+) -> Result<nodes::Joined, RunError> {
+    let Some(settings) = &config.dflash else {
+        return Err(RunError::Invalid("--nodes needs --stage dflash".into()));
+    };
+    let mut run = settings.fingerprint.clone();
+    // Held-out samples leave the plans.
+    let holdout = config.eval.as_ref().map_or(0, |e| e.holdout);
+    run.insert("eval_holdout".into(), holdout.to_string());
+    let checkpoints = if resume {
+        run_dir::checkpoint_steps(&settings.checkpoint_dir)
+    } else {
+        Vec::new()
+    };
+    let hello = nodes::Hello {
+        version: nodes::VERSION,
+        node: n.rank,
+        nodes: n.nodes,
+        drafters,
+        run,
+        checkpoints,
+        resume,
+    };
+    let waits = if n.rank == 0 {
+        format!(
+            "waiting at {} for the other {} nodes",
+            n.rendezvous,
+            n.nodes - 1
+        )
+    } else {
+        format!("joining node 0 at {}", n.rendezvous)
+    };
+    tracing::info!(
+        "node {} of {}: {waits} (up to {} s, --rendezvous-timeout)",
+        n.rank,
+        n.nodes,
+        n.timeout_s
+    );
+    let joined = nodes::join(n, hello).map_err(RunError::Invalid)?;
+    tracing::info!(
+        "node {} of {}: every node joined; the drafters start from {}",
+        n.rank,
+        n.nodes,
+        match joined.resume_step {
+            0 => "fresh weights".to_owned(),
+            s => format!("the checkpoint of step {s}"),
+        }
+    );
+    Ok(joined)
 }
 
 /// Everything a launch checks and computes before its first side effect: the options, the
@@ -268,8 +345,10 @@ pub fn prepare(config: RunConfig, run_dir_path: &Path, resume: bool) -> Result<P
         .transpose()
         .map_err(|e| RunError::Invalid(format!("--metrics-addr: {e}")))?;
 
+    // With several nodes, node 0 evaluates (every node holds the same weights).
+    let evaluates = config.nodes.as_ref().is_none_or(|n| n.rank == 0);
     let evaluator = match (&config.eval, &config.dflash, &eval_prompts) {
-        (Some(eval), Some(settings), Some(prompts)) => {
+        (Some(eval), Some(settings), Some(prompts)) if evaluates => {
             // On a GPU run, the evaluations share the first GPU.
             let gpu = devices.iter().find_map(|d| match d {
                 Device::Gpu(g) => Some(*g),
@@ -332,6 +411,11 @@ pub fn launch(
         rings,
         prom,
     } = prepare(config, run_dir_path, resume)?;
+    let joined = config
+        .nodes
+        .as_ref()
+        .map(|n| join_nodes(n, &config, topology.drafters, resume))
+        .transpose()?;
     let journal_path = run_dir::journal(run_dir_path);
     // From here on, the guard undoes what is created.
     let mut guard = Guard::new(run_dir_path, existed)?;
@@ -444,6 +528,21 @@ pub fn launch(
             Duration::from_secs_f64(config.monitor_interval_s.max(0.01)),
         ));
     let workers_list = worker_list(&devices, topology, &nvml);
+    let (link, share) = match joined {
+        Some(joined) => {
+            // A node silent for this long is lost.
+            let silence = Duration::from_secs_f64(config.heartbeat_timeout_s.max(10.0));
+            let (link, port, resume_step) =
+                joined.listen(to_loop.clone(), super::Input::Node, silence);
+            let share = workers::NodeShare {
+                base: link.rank * topology.drafters,
+                world: link.nodes * topology.drafters,
+                resume_step,
+            };
+            (Some(link), Some((share, port)))
+        }
+        None => (None, None),
+    };
     let launch = workers::Launch {
         binary,
         input_ring: input.path().to_path_buf(),
@@ -458,15 +557,19 @@ pub fn launch(
             .as_ref()
             .and_then(|d| d.torch.as_ref())
             .map(|t| t.python.clone()),
-        drafters: (config.dflash.is_some() && topology.drafters > 1).then(|| {
-            workers::DrafterGroup {
+        drafters: (config.dflash.is_some() && (topology.drafters > 1 || share.is_some())).then(
+            || workers::DrafterGroup {
                 first: topology.targets,
                 ranks: topology.drafters,
-                host: "127.0.0.1".into(),
-                port: 0,
+                host: config
+                    .nodes
+                    .as_ref()
+                    .map_or_else(|| "127.0.0.1".into(), nodes::NodeConfig::host),
+                port: share.map_or(0, |(_, port)| port),
                 timeout_s: dflash_common::dflash::DrafterRank::DEFAULT_TIMEOUT_S,
-            }
-        }),
+                nodes: share.map(|(s, _)| s),
+            },
+        ),
     };
     let plan = planner.plan_epoch(u64::from(start.epoch));
     let planned = plan.batches.len();
@@ -476,10 +579,13 @@ pub fn launch(
         workers_list.len(),
     );
     if let Some(g) = &launch.drafters {
+        let (base, world) = g.nodes.map_or((0, g.ranks), |n| (n.base, n.world));
         dispatch = dispatch.with_assignment(super::dispatch::Assignment::ByPosition {
             first: g.first as usize,
             drafters: g.ranks as usize,
             accum: config.planner.accum as usize,
+            base: base as usize,
+            world: world as usize,
         });
     }
     dispatch.enter(planned, start.batch);
@@ -520,10 +626,32 @@ pub fn launch(
         bucket_batches: Vec::new(),
         job_times: Default::default(),
         evaluator,
+        link,
+        node_failure: None,
         config,
     };
+    if let Some(g) = &run.launch.drafters
+        && let Some(share) = g.nodes
+    {
+        run.metrics.share(
+            share.base,
+            g.ranks,
+            share.world,
+            run.link.as_ref().map_or(0, |l| l.rank),
+        );
+    }
     let new_epoch = start.batch == 0 && start.epoch < run.config.epochs;
     let result = run.drive(&inbox, new_epoch);
+    if let Some(link) = run.link.as_mut() {
+        // The other nodes learn at once how this one ended.
+        link.send_all(&match &result {
+            Ok(Outcome::Completed) => nodes::Message::Done,
+            Ok(_) => nodes::Message::Stop {
+                why: format!("node {} stopped", link.rank),
+            },
+            Err(e) => nodes::Message::Failed { why: e.to_string() },
+        });
+    }
     run.shutdown();
     let summary = Summary {
         steps: run.committed_total,

@@ -94,6 +94,11 @@ pub struct Metrics {
     pub skipped_steps: u64,
     /// The newest served-acceptance evaluation's line.
     pub last_eval: Option<Value>,
+    /// With several nodes: this node's drafters, ranks `base..base + drafters` of `world`
+    /// (each step line sums this node's share of its group), and the node's rank (on every
+    /// line).
+    share: Option<(u64, u64, u64)>,
+    node: Option<u32>,
 }
 
 /// Simulated acceptance length of a block: the expected number of draft tokens accepted in a
@@ -142,7 +147,26 @@ impl Metrics {
             ticks: 0,
             skipped_steps: 0,
             last_eval: None,
+            share: None,
+            node: None,
         })
+    }
+
+    /// This node trains ranks `base..base + drafters` of every node's `world` drafters: its
+    /// step lines sum its share of each group, and every line carries `node`.
+    pub fn share(&mut self, base: u32, drafters: u32, world: u32, node: u32) {
+        self.share = Some((u64::from(base), u64::from(drafters), u64::from(world)));
+        self.node = Some(node);
+    }
+
+    /// The micro-batches of a group of `len` this node trains.
+    fn local_in_group(&self, len: u64) -> u64 {
+        match self.share {
+            None => len,
+            Some((base, drafters, world)) => (0..len)
+                .filter(|p| (base..base + drafters).contains(&(p % world.max(1))))
+                .count() as u64,
+        }
     }
 
     /// Appends one line to `metrics.jsonl`, with its kind and time.
@@ -151,6 +175,9 @@ impl Metrics {
         if let Value::Object(m) = &mut value {
             m.insert("kind".into(), json!(kind));
             m.insert("time".into(), json!(time));
+            if let Some(node) = self.node {
+                m.insert("node".into(), json!(node));
+            }
         }
         let mut text = serde_json::to_vec(&value).map_err(io::Error::other)?;
         text.push(b'\n');
@@ -354,10 +381,9 @@ impl Metrics {
     /// Writes the line of the group starting at `start` once every micro-batch and an update
     /// of it are in: the sums in plan order, the loss the mean of the micro-batches' losses.
     fn complete(&mut self, epoch: u32, start: u64) -> io::Result<Option<Value>> {
-        let done = self
-            .groups
-            .get(&start)
-            .is_some_and(|p| p.update.is_some() && p.micro.len() as u64 == p.len);
+        let done = self.groups.get(&start).is_some_and(|p| {
+            p.update.is_some() && p.micro.len() as u64 == self.local_in_group(p.len)
+        });
         if !done {
             return Ok(None);
         }

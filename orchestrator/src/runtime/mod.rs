@@ -20,6 +20,8 @@ pub mod journal;
 pub mod launch_plan;
 pub mod memory;
 pub mod metrics;
+mod node_run;
+pub mod nodes;
 mod progress;
 pub mod resume;
 pub mod run_lock;
@@ -87,6 +89,8 @@ pub enum Input {
         event: WorkerInput,
     },
     Control(control::Pending),
+    /// From the link to the run's other nodes.
+    Node(nodes::NodeEvent),
 }
 
 pub enum WorkerInput {
@@ -203,6 +207,11 @@ struct Run {
     job_times: [supervisor::JobTimes; 2],
     /// Served-acceptance evaluations of the checkpoints (`--eval-every`).
     evaluator: Option<eval::Evaluator>,
+    /// The link to the run's other nodes, with several.
+    link: Option<nodes::Link>,
+    /// The drafters' group across nodes broke: the run fails with this once the link had a
+    /// moment to say why (a lost node's reason is the better one).
+    node_failure: Option<(Instant, String)>,
 }
 
 /// How many GPUs NVML reports, or why none.
@@ -271,6 +280,7 @@ impl Run {
                 stop_deadline = Some(Instant::now());
             }
             self.supervise()?;
+            self.tend_nodes()?;
             if let Some((step, result)) = self.evaluator.as_mut().and_then(eval::Evaluator::poll) {
                 self.evaluated(step, result)?;
             }
@@ -283,7 +293,9 @@ impl Run {
             if let Some(outcome) = self.stopping {
                 let grace = Duration::from_secs_f64(self.config.stop_grace_s);
                 let deadline = *stop_deadline.get_or_insert_with(|| Instant::now() + grace);
-                let force = Instant::now() > deadline;
+                // Several nodes stop together at their last checkpoint: a drafter group across
+                // nodes cannot agree on a later boundary once one node stops.
+                let force = Instant::now() > deadline || self.stops_at_checkpoint(outcome);
                 let draining = !force && self.draining();
                 if draining {
                     // Data-parallel drafters finish the groups they started, together.
@@ -416,6 +428,7 @@ impl Run {
                 let _ = pending.reply.send(answer);
                 Ok(())
             }
+            Input::Node(event) => self.node_event(event),
             Input::Worker {
                 worker,
                 incarnation,

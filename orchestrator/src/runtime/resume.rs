@@ -270,6 +270,27 @@ pub const OPTIONS: &[(&str, &[&str], OnResume)] = &[
             }
         }),
     ),
+    // The number of nodes and a node's rank decide which drafter sums which gradient.
+    ("nodes", &["nodes", "nodes"], Compared),
+    ("node-rank", &["nodes", "rank"], Compared),
+    (
+        "rendezvous",
+        &["nodes", "rendezvous"],
+        Changeable(|run, session| {
+            if let (Some(r), Some(s)) = (run.nodes.as_mut(), session.nodes.as_ref()) {
+                r.rendezvous.clone_from(&s.rendezvous);
+            }
+        }),
+    ),
+    (
+        "rendezvous-timeout",
+        &["nodes", "timeout_s"],
+        Changeable(|run, session| {
+            if let (Some(r), Some(s)) = (run.nodes.as_mut(), session.nodes.as_ref()) {
+                r.timeout_s = s.timeout_s;
+            }
+        }),
+    ),
     ("run-dir", &[], NotRun),
     ("resume", &[], NotRun),
     ("dry-run", &[], NotRun),
@@ -419,6 +440,7 @@ mod tests {
             job_timeout_s: None,
             stop_grace_s: 300.0,
             eval: None,
+            nodes: None,
         }
     }
 
@@ -547,6 +569,12 @@ mod tests {
             prompts: None,
             holdout: 1,
             max_new_tokens: 1,
+        });
+        with_everything.nodes = Some(crate::runtime::nodes::NodeConfig {
+            nodes: 2,
+            rank: 1,
+            rendezvous: "node0:29400".into(),
+            timeout_s: 300.0,
         });
         let full = serde_json::to_value(&with_everything).unwrap();
         for (flag, path, on) in OPTIONS {

@@ -250,7 +250,7 @@ impl Run {
     /// rendezvous port of their own (a stale group can never be joined).
     fn start_drafter_group(&mut self, now: Instant) -> Result<(), RunError> {
         let members = self.group_workers();
-        if self.stopping.is_some() || members.is_empty() {
+        if self.stopping.is_some() || members.is_empty() || self.node_failure.is_some() {
             return Ok(());
         }
         let group = &self.workers[members.clone()];
@@ -285,6 +285,10 @@ impl Run {
         }
         let rank = i - members.start;
         let id = self.workers[i].id;
+        if let Some(share) = self.launch.drafters.as_ref().and_then(|g| g.nodes) {
+            self.node_group_broken(share.base + rank as u32, id, reason);
+            return Ok(());
+        }
         let mut stopped = Vec::new();
         for j in members.clone() {
             let peer = &mut self.workers[j];

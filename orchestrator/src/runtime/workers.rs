@@ -43,6 +43,17 @@ pub struct DrafterGroup {
     pub host: String,
     pub port: u16,
     pub timeout_s: f64,
+    /// With several nodes: where this node's drafters stand among every node's.
+    pub nodes: Option<NodeShare>,
+}
+
+/// This node's drafters among every node's: ranks `base..base + ranks` of `world`, meeting at
+/// the port node 0 picked, starting from the checkpoint step every node has.
+#[derive(Debug, Clone, Copy)]
+pub struct NodeShare {
+    pub base: u32,
+    pub world: u32,
+    pub resume_step: u64,
 }
 
 impl DrafterGroup {
@@ -54,6 +65,9 @@ impl DrafterGroup {
     /// Picks the port of the group's next start: one the system has free now (rank 0 binds it
     /// moments later; a clash fails the start, which is retried with another).
     pub fn pick_port(&mut self) -> std::io::Result<()> {
+        if self.nodes.is_some() {
+            return Ok(()); // node 0 picked it for every node
+        }
         let listener = std::net::TcpListener::bind((self.host.as_str(), 0))?;
         self.port = listener.local_addr()?.port();
         Ok(())
@@ -290,11 +304,23 @@ pub fn spawn(
     {
         let [rank_var, ranks_var, rendezvous_var, timeout_var] =
             dflash_common::dflash::DrafterRank::ENV;
+        let (base, world) = group.nodes.map_or((0, group.ranks), |n| (n.base, n.world));
+        let host = if group.host.contains(':') {
+            format!("[{}]", group.host)
+        } else {
+            group.host.clone()
+        };
         command
-            .env(rank_var, rank.to_string())
-            .env(ranks_var, group.ranks.to_string())
-            .env(rendezvous_var, format!("{}:{}", group.host, group.port))
+            .env(rank_var, (base + rank).to_string())
+            .env(ranks_var, world.to_string())
+            .env(rendezvous_var, format!("{host}:{}", group.port))
             .env(timeout_var, group.timeout_s.to_string());
+        if let Some(share) = group.nodes {
+            let [local_var, resume_var] = dflash_common::dflash::DrafterRank::NODE_ENV;
+            command
+                .env(local_var, rank.to_string())
+                .env(resume_var, share.resume_step.to_string());
+        }
     }
     bind_to_parent(&mut command, cpus);
     let child = command.spawn()?;
