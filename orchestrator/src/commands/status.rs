@@ -62,6 +62,14 @@ fn text(v: &Value) -> String {
     if let Some(progress) = r["progress"].as_str() {
         let _ = writeln!(o, "{progress}");
     }
+    if let (Some(node), Some(count)) = (r["node"].as_u64(), r["node_count"].as_u64()) {
+        let others = if node == 0 {
+            "every node's workers below"
+        } else {
+            "node 0's status shows every node"
+        };
+        let _ = writeln!(o, "node {node} of {count} ({others})");
+    }
     if let Some(addr) = r["metrics_addr"].as_str() {
         let _ = writeln!(o, "metrics: http://{addr}/metrics");
     }
@@ -136,7 +144,8 @@ fn text(v: &Value) -> String {
             .map(|e| format!("; last exit: {e}"))
             .unwrap_or_default();
         if node_column {
-            let _ = write!(o, "{:>4} ", w["node"]);
+            let node = w["node"].as_u64().map_or("-".to_owned(), |n| n.to_string());
+            let _ = write!(o, "{node:>4} ");
         }
         let _ = writeln!(
             o,

@@ -103,6 +103,7 @@ impl Run {
                 "training": self.metrics.last,
                 "eval": self.metrics.last_eval,
                 "node": self.link.as_ref().map(|l| l.rank),
+                "node_count": self.link.as_ref().map(|l| l.nodes),
             },
             "workers": workers,
         })

@@ -58,9 +58,13 @@ impl Run {
     /// Once a tick: this node's status to node 0 (node 0's keepalive to the others); a drafter
     /// group broken across nodes ends the run once the link had its moment.
     pub(super) fn tend_nodes(&mut self) -> Result<(), RunError> {
-        if let Some(mut link) = self.link.take() {
-            link.tick(|| self.status());
-            self.link = Some(link);
+        if self.link.as_mut().is_some_and(|l| l.tick_due()) {
+            // The status is taken with the link in place: it names this node.
+            let rank = self.link.as_ref().map_or(0, |l| l.rank);
+            let status = (rank != 0).then(|| self.status());
+            if let Some(link) = self.link.as_mut() {
+                link.tick(|| status.unwrap_or_default());
+            }
         }
         match &self.node_failure {
             Some((at, why)) if Instant::now() >= *at => Err(RunError::Failed(why.clone())),

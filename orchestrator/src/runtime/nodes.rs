@@ -569,11 +569,17 @@ impl Link {
 
     /// Once a [`TICK`]: the status to node 0 (`status` is asked for only then), node 0's
     /// keepalive to the others.
-    pub fn tick(&mut self, status: impl FnOnce() -> Value) {
+    /// Whether a tick is due (once every [`TICK`]); the caller then sends [`Link::tick`].
+    pub fn tick_due(&mut self) -> bool {
         if self.last_tick.elapsed() < TICK {
-            return;
+            return false;
         }
         self.last_tick = Instant::now();
+        true
+    }
+
+    /// This node's status to node 0, or node 0's keepalive to the others (`status` unused).
+    pub fn tick(&mut self, status: impl FnOnce() -> Value) {
         let m = if self.rank == 0 {
             Message::Alive
         } else {
