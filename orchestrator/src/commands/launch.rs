@@ -95,11 +95,13 @@ pub struct LaunchArgs {
 
     /// Nodes of the run: one orchestrator per node (this command on each, with its own
     /// --node-rank), each with its own targets feeding its own drafters, every node's drafters in
-    /// one torch.distributed group (only gradients cross nodes). 2 to 4096; needs --stage dflash
-    /// --engine torch, the same store (by content) and options on every node, and --accum at
-    /// least the drafters of all nodes. Filled in from Slurm (SLURM_NNODES, SLURM_NODEID, the
-    /// first host of SLURM_JOB_NODELIST) or torchrun (WORLD_SIZE / LOCAL_WORLD_SIZE,
-    /// GROUP_RANK, MASTER_ADDR:MASTER_PORT) when not given.
+    /// one torch.distributed group (only gradients cross nodes). 1 to 4096; more than one needs
+    /// --stage dflash --engine torch, the same store (by content) and options on every node, its
+    /// own --run-dir per node, and --accum at least the drafters of all nodes. Filled in from
+    /// Slurm (SLURM_NNODES, SLURM_NODEID, the first host of SLURM_JOB_NODELIST) or torchrun
+    /// (WORLD_SIZE / LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR:MASTER_PORT) when not given;
+    /// --nodes 1 trains on this node alone whatever they say. A lost node stops the others at
+    /// their last checkpoint: relaunch every node with --resume. See docs/multi-node.md.
     #[arg(long, value_name = "N", help_heading = "Several nodes", value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub nodes: Option<u32>,
 

@@ -149,9 +149,16 @@ impl Run {
                     self.drafter_resumed = false;
                     if self.stopping.is_some() && self.config.dflash.is_some() && !status.success()
                     {
-                        self.final_checkpoint_lost = Some(format!(
-                            "the drafter ({reason}) may not have written its final checkpoint: `launch --resume` replays from its latest checkpoint and finishes"
-                        ));
+                        self.final_checkpoint_lost = Some(if self.link.is_some() {
+                            // Several nodes stop at once (see `Run::stops_at_checkpoint`).
+                            format!(
+                                "every node stopped its drafters at once, at their last checkpoint: relaunch each node with `launch --resume`; they replay from there ({reason})"
+                            )
+                        } else {
+                            format!(
+                                "the drafter ({reason}) may not have written its final checkpoint: `launch --resume` replays from its latest checkpoint and finishes"
+                            )
+                        });
                     }
                 }
                 if self.stopping.is_some() {
