@@ -29,6 +29,7 @@ use dflash_orch::runtime::RunConfig;
 use dflash_orch::runtime::control::parse_request;
 use dflash_orch::runtime::journal;
 use dflash_orch::runtime::launch_plan::check_options;
+use dflash_orch::runtime::nodes;
 use dflash_orch::runtime::resume;
 use dflash_orch::runtime::spec::{Device, GpuSpec, Topology};
 use dflash_orch::store::{self, Store};
@@ -243,9 +244,31 @@ pub fn journal(data: &[u8]) {
     let _ = journal::read(&path);
 }
 
-/// One control-socket request line.
+/// One control-socket request line. The same bytes as the nodes' link (every message line until
+/// the end or an error, a hello compared with one of node 0), as a `--rendezvous` value and as a
+/// Slurm node list.
 pub fn control(data: &[u8]) {
     let _ = parse_request(data);
+    let ours = nodes::Hello {
+        version: nodes::VERSION,
+        node: 0,
+        nodes: 2,
+        drafters: 1,
+        run: [("seed".to_owned(), "00".to_owned())].into(),
+        checkpoints: vec![3, 6],
+        resume: true,
+    };
+    let mut link = std::io::BufReader::new(data);
+    while let Ok(Some(message)) = nodes::read_message(&mut link) {
+        if let nodes::Message::Hello(theirs) = message {
+            let _ = nodes::mismatch(&ours, &theirs);
+            let _ = nodes::common_step(&[&ours.checkpoints, &theirs.checkpoints]);
+        }
+    }
+    if let Ok(text) = std::str::from_utf8(data) {
+        let _ = nodes::parse_rendezvous(text);
+        let _ = nodes::first_slurm_host(text);
+    }
 }
 
 /// Whether `addr.to_socket_addrs()` would ask the resolver (a host name with a valid port): the
