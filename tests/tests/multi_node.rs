@@ -228,6 +228,78 @@ fn two_nodes_train_as_one_and_a_lost_node_costs_nothing() {
     }
 }
 
+/// Two nodes of two drafters each (`--accum 4`, 30 batches an epoch: each epoch's last group
+/// holds 2 batches, both node 0's): node 1's drafters take part in that group's step with no
+/// batch, and the nodes end with the bytes of one node training all four drafters. Node 0
+/// writes a line for every step, node 1 for those it had batches in, each the mean over its own
+/// micro-batches.
+#[test]
+fn a_node_without_a_batch_in_a_short_group_takes_part_in_its_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = tiny_target(dir.path());
+    let epochs = ["--epochs", "2"];
+    let one = dir.path().join("one");
+    finish(
+        launch(&one, &target, "cpu:5", "1:4", &epochs)
+            .spawn()
+            .unwrap(),
+    );
+    let port = free_port();
+    let runs: Vec<PathBuf> = (0..2).map(|r| dir.path().join(format!("n{r}"))).collect();
+    let children: Vec<Child> = (0..2)
+        .map(|r| {
+            let mut args = vec![
+                "--nodes",
+                "2",
+                "--node-rank",
+                if r == 0 { "0" } else { "1" },
+            ];
+            let rendezvous = format!("127.0.0.1:{port}");
+            args.extend(["--rendezvous", rendezvous.as_str()]);
+            args.extend(epochs);
+            launch(&runs[r], &target, "cpu:3", "1:2", &args)
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for child in children {
+        finish(child);
+    }
+    for run_dir in &runs {
+        assert!(
+            final_bytes(run_dir) == final_bytes(&one),
+            "{}: other weights than one node with four drafters",
+            run_dir.display()
+        );
+        assert_clean(run_dir);
+    }
+    let train = |run_dir: &Path| -> Vec<Value> {
+        fs::read_to_string(run_dir.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<Value>(l).unwrap())
+            .filter(|v| v["kind"] == "train")
+            .collect()
+    };
+    let steps = |lines: &[Value]| -> Vec<u64> {
+        lines.iter().map(|l| l["step"].as_u64().unwrap()).collect()
+    };
+    let (reference, zero, first) = (train(&one), train(&runs[0]), train(&runs[1]));
+    assert_eq!(steps(&zero), steps(&reference), "node 0 reports every step");
+    let without_short: Vec<u64> = steps(&reference)
+        .into_iter()
+        .filter(|s| s % 8 != 0)
+        .collect();
+    assert_eq!(
+        steps(&first),
+        without_short,
+        "node 1: the steps it trained in"
+    );
+    for line in zero.iter().chain(&first) {
+        assert!(line["loss"].as_f64().is_some_and(|l| l > 0.0), "{line}");
+    }
+}
+
 /// Refused, with nothing created: a node rank outside `--nodes`; node 1 whose options or store
 /// differ from node 0's (named, and node 0 refuses too); a rendezvous nobody answers (within
 /// `--rendezvous-timeout`); a rendezvous port already in use.

@@ -384,6 +384,23 @@ impl Dispatch {
         Some(self.batches - 1)
     }
 
+    /// Whether a drafter rank of this node has yet to take part in the step of the epoch's
+    /// short last group (leased or not).
+    fn owes_a_step(&self) -> bool {
+        let Assignment::ByPosition {
+            first, drafters, ..
+        } = self.assignment
+        else {
+            return false;
+        };
+        (0..drafters).any(|rank| {
+            matches!(
+                self.leases.get(first + rank),
+                Some(Some(Lease::Step { .. }))
+            ) || self.next_of_rank(rank).is_some_and(|at| at >= self.batches)
+        })
+    }
+
     /// Drafter `worker` took part in its step.
     pub fn stepped(&mut self, worker: usize) -> Result<(), NotLeased> {
         match self.leases[worker] {
@@ -459,7 +476,13 @@ impl Dispatch {
     pub fn commit_next(&mut self) -> Option<usize> {
         let b = self.next_commit;
         if b < self.batches && !self.assignment.is_local(b) {
-            // Another node's: its drafters train it in the same steps as this node's.
+            // Another node's: its drafters train it in the same steps as this node's. Every
+            // batch of this node before it is committed, so this node's ranks have passed it,
+            // but for their part in the step of a short last group: the epoch's last batch
+            // waits for that.
+            if b + 1 == self.batches && self.owes_a_step() {
+                return None;
+            }
             self.next_commit += 1;
             return Some(b);
         }
@@ -723,6 +746,19 @@ mod tests {
                     while let Some(b) = d.commit_next() {
                         assert_eq!(b, commits.len(), "commit out of plan order");
                         commits.push(b);
+                        if let (true, Assignment::ByPosition { accum, base, .. }) =
+                            (b + 1 == batches && !assignment.is_local(b), assignment)
+                        {
+                            // Another node's last batch ends the epoch only once this node's
+                            // ranks without a batch in its short last group took their part.
+                            let start = (batches - 1) / accum * accum;
+                            for (rank, &done) in stepped.iter().enumerate() {
+                                assert!(
+                                    done || base + rank < batches - start || d.entered > start,
+                                    "the epoch ended before rank {rank}'s step"
+                                );
+                            }
+                        }
                     }
                 }
                 Op::Crash(n) => {
@@ -1010,7 +1046,6 @@ mod tests {
                 }
             }
             assert_eq!(fed, mine, "node {node} feeds only what it trains");
-            assert_eq!(commits, (0..9).collect::<Vec<_>>(), "node {node}");
             let step = d.lease_step(1);
             assert_eq!(
                 step.is_some(),
@@ -1018,8 +1053,13 @@ mod tests {
                 "node {node}: the short group's step"
             );
             if step.is_some() {
+                // The epoch's last batch (node 0's) waits for node 1's part in its step.
+                assert_eq!(commits, (0..8).collect::<Vec<_>>(), "node {node}");
+                assert_eq!(d.commit_next(), None, "node 1 has not stepped");
                 d.stepped(1).unwrap();
+                commits.extend(d.commit_next());
             }
+            assert_eq!(commits, (0..9).collect::<Vec<_>>(), "node {node}");
             assert!(d.drafters_at_step_boundary());
             assert!(!d.holds_leases() && d.slots_in_use() == 0);
             trained.push(mine);

@@ -396,8 +396,16 @@ impl Metrics {
             return Ok(None);
         };
         self.written = Some(start);
+        if micro.is_empty() {
+            // A node whose drafters had no batch in this (short last) group: nothing of its own
+            // to report; the nodes that trained its batches write the step's line.
+            return Ok(None);
+        }
         let mut g = Sums::default();
         let mut loss = 0.0;
+        // The mean over the micro-batches reported here: the whole group's on one node, this
+        // node's share of it on one of several.
+        let reported = micro.len() as f64;
         for (tokens, m) in micro.values() {
             g.correct.resize(m.correct.len().max(g.correct.len()), 0);
             g.counted.resize(m.counted.len().max(g.counted.len()), 0);
@@ -408,7 +416,7 @@ impl Metrics {
             g.tokens += tokens;
             g.anchors += u64::from(m.anchors);
             g.compute_s += m.compute_s;
-            loss += m.loss / len as f64;
+            loss += m.loss / reported;
         }
         let plan_step = start + len - 1;
         let update = Update { loss, ..update };
@@ -530,5 +538,58 @@ mod tests {
         assert_eq!(acceptance_length(&[1.0, 1.0, 1.0]), 3.0);
         assert!((acceptance_length(&[0.5, 0.5]) - 0.75).abs() < 1e-12);
         assert_eq!(acceptance_length(&[0.0, 1.0]), 0.0);
+    }
+
+    /// Node 1 of two (one drafter each, `--accum 4`, a short last group of 2 at plan steps
+    /// 4 and 5): its line for the first group comes once its two micro-batches (positions 1
+    /// and 3) and the step's update are in, with their mean loss and its own tokens, and names
+    /// the node; the short group holds none of its batches and gets no line here.
+    #[test]
+    fn a_node_reports_its_share_of_each_step() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut m = Metrics::open(dir.path(), None).unwrap();
+        m.share(1, 1, 2, 1);
+        let update = Update {
+            step: 1,
+            lr: 1e-3,
+            grad_norm: 1.0,
+            loss: 0.0,
+            checkpoint: false,
+            skipped: None,
+            reduce_s: 0.0,
+        };
+        let micro = |loss: f64, update: Option<Update>| TrainMetrics {
+            loss,
+            correct: vec![0, 1],
+            counted: vec![2, 2],
+            anchors: 2,
+            compute_s: 0.1,
+            update,
+        };
+        let group = |index| PlanGroup { index, len: 4 };
+        assert!(
+            m.add(0, 1, group(1), 100, &micro(2.0, None))
+                .unwrap()
+                .is_none()
+        );
+        let line = m
+            .add(0, 3, group(3), 50, &micro(4.0, Some(update.clone())))
+            .unwrap()
+            .expect("the node's two micro-batches and the update are in");
+        assert_eq!(line["loss"], 3.0);
+        assert_eq!(line["tokens"], 150);
+        assert_eq!(line["plan_step"], 3);
+        let short = PlanGroup { index: 1, len: 2 };
+        let none = m
+            .add_update(0, 5, short, &Update { step: 2, ..update })
+            .unwrap();
+        assert!(none.is_none(), "{none:?}");
+        let text = std::fs::read_to_string(dir.path().join(FILE)).unwrap();
+        let lines: Vec<Value> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(lines.len(), 1, "{text}");
+        assert_eq!(lines[0]["node"], 1);
     }
 }

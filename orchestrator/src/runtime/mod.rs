@@ -598,6 +598,8 @@ impl Run {
                     .add_update(batch_id.epoch, batch_id.step, group, &update)
                     .map_err(|e| RunError::Failed(format!("{}: {e}", metrics::FILE)))?;
                 self.stepped_line(batch_id, line)?;
+                // Another node's last batch of the epoch waits for this step.
+                self.commit_ready()?;
             }
             Event::Failed { id: batch, reason } => {
                 return Err(RunError::Failed(format!(
