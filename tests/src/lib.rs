@@ -2,7 +2,7 @@
 
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output};
+use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
@@ -267,4 +267,63 @@ pub fn flags_without<'a>(base: &[&'a str], extra: &[&str]) -> Vec<&'a str> {
         .flatten()
         .copied()
         .collect()
+}
+
+/// The data-parallel runs (one node or several): 30 batches an epoch, groups of 4 (the last of
+/// 2), an optimiser step per group, a checkpoint every 3 steps.
+pub const DATA_PARALLEL_FLAGS: [&str; 24] = [
+    "--stage",
+    "dflash",
+    "--synthetic",
+    "240",
+    "--epochs",
+    "2",
+    "--max-len",
+    "64",
+    "--token-budget",
+    "512",
+    "--buckets",
+    "auto:2",
+    "--accum",
+    "4",
+    "--draft-layers",
+    "1",
+    "--num-anchors",
+    "24",
+    "--save-every",
+    "3",
+    "--heartbeat-timeout",
+    "10",
+    "--max-restarts",
+    "5",
+];
+
+/// `dflash-orch launch` of `base`'s options with `extra` (which replaces the pairs of `base` it
+/// repeats), the test venv's Python, `target` and `run_dir`; quiet but for its stderr.
+pub fn launch_with(run_dir: &Path, target: &Path, base: &[&str], extra: &[&str]) -> Command {
+    let mut c = Command::new(bin("dflash-orch"));
+    c.arg("launch")
+        .args(flags_without(base, extra))
+        .arg("--python")
+        .arg(test_python())
+        .args(extra)
+        .arg("--target-model")
+        .arg(target)
+        .arg("--run-dir")
+        .arg(run_dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    c
+}
+
+/// The newest checkpoint's `model.safetensors` of a DFlash run.
+pub fn final_checkpoint(run_dir: &Path) -> PathBuf {
+    let root = run_dir.join("checkpoints");
+    let latest = fs::read_to_string(root.join("latest")).unwrap();
+    root.join(latest.trim()).join("model.safetensors")
+}
+
+pub fn final_bytes(run_dir: &Path) -> Vec<u8> {
+    fs::read(final_checkpoint(run_dir)).unwrap()
 }

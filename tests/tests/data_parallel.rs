@@ -6,81 +6,28 @@
 
 use std::collections::HashMap;
 use std::fs;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use candle_core::{DType, Device, Tensor};
 use dflash_e2e::{
-    assert_clean, assert_refused, bin, finish, flags_without, journal_events, orch, signal, status,
-    stdout_ok, test_python, tiny_target, wait_until,
+    DATA_PARALLEL_FLAGS, assert_clean, assert_refused, bin, final_bytes, final_checkpoint, finish,
+    journal_events, launch_with, orch, signal, status, stdout_ok, tiny_target, wait_until,
 };
 use serde_json::Value;
 
-/// The run: 30 batches an epoch, groups of 4 (the last of 2), an optimiser step per group.
-const RUN_FLAGS: [&str; 24] = [
-    "--stage",
-    "dflash",
-    "--synthetic",
-    "240",
-    "--epochs",
-    "2",
-    "--max-len",
-    "64",
-    "--token-budget",
-    "512",
-    "--buckets",
-    "auto:2",
-    "--accum",
-    "4",
-    "--draft-layers",
-    "1",
-    "--num-anchors",
-    "24",
-    "--save-every",
-    "3",
-    "--heartbeat-timeout",
-    "10",
-    "--max-restarts",
-    "5",
-];
-
-/// A torch launch of [`RUN_FLAGS`] on `cpu:T+D` with `--topology T:D`; `extra` adds options or
-/// changes those of RUN_FLAGS.
+/// A torch launch of [`DATA_PARALLEL_FLAGS`] on `cpu:T+D` with `--topology T:D`; `extra` adds
+/// options or changes those of DATA_PARALLEL_FLAGS.
 fn launch(run_dir: &Path, target: &Path, topology: (u32, u32), extra: &[&str]) -> Command {
-    let flags = flags_without(&RUN_FLAGS, extra);
     let (t, d) = topology;
-    let mut c = Command::new(bin("dflash-orch"));
-    c.arg("launch")
-        .args(["--gpus", &format!("cpu:{}", t + d)])
-        .args(["--topology", &format!("{t}:{d}")])
-        .args(flags)
-        .args(if extra.contains(&"--engine") {
-            &[][..]
-        } else {
-            &["--engine", "torch"][..]
-        })
-        .arg("--python")
-        .arg(test_python())
-        .args(extra)
-        .arg("--target-model")
-        .arg(target)
-        .arg("--run-dir")
-        .arg(run_dir)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped());
-    c
-}
-
-fn final_checkpoint(run_dir: &Path) -> PathBuf {
-    let root = run_dir.join("checkpoints");
-    let latest = fs::read_to_string(root.join("latest")).unwrap();
-    root.join(latest.trim()).join("model.safetensors")
-}
-
-fn final_bytes(run_dir: &Path) -> Vec<u8> {
-    fs::read(final_checkpoint(run_dir)).unwrap()
+    let (gpus, topology) = (format!("cpu:{}", t + d), format!("{t}:{d}"));
+    let mut args = vec!["--gpus", &gpus, "--topology", &topology];
+    if !extra.contains(&"--engine") {
+        args.extend(["--engine", "torch"]);
+    }
+    args.extend_from_slice(extra);
+    launch_with(run_dir, target, &DATA_PARALLEL_FLAGS, &args)
 }
 
 /// The largest difference between two runs' final weights, per tensor relative to the tensor's

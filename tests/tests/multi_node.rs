@@ -10,38 +10,10 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use dflash_e2e::{
-    alive, assert_clean, assert_refused, bin, finish, flags_without, journal_events, status,
-    test_python, tiny_target, wait_until,
+    DATA_PARALLEL_FLAGS, alive, assert_clean, assert_refused, bin, final_bytes, finish,
+    journal_events, launch_with, status, tiny_target, wait_until,
 };
 use serde_json::Value;
-
-/// The run: 30 batches an epoch over 4 epochs, groups of 4, a checkpoint every 3 steps.
-const RUN_FLAGS: [&str; 24] = [
-    "--stage",
-    "dflash",
-    "--synthetic",
-    "240",
-    "--epochs",
-    "4",
-    "--max-len",
-    "64",
-    "--token-budget",
-    "512",
-    "--buckets",
-    "auto:2",
-    "--accum",
-    "4",
-    "--draft-layers",
-    "1",
-    "--num-anchors",
-    "24",
-    "--save-every",
-    "3",
-    "--heartbeat-timeout",
-    "10",
-    "--max-restarts",
-    "5",
-];
 
 /// A port nobody listens on now (the kernel's pick, released).
 fn free_port() -> u16 {
@@ -52,23 +24,15 @@ fn free_port() -> u16 {
         .port()
 }
 
-/// A torch launch of [`RUN_FLAGS`] with `extra` (which replaces RUN_FLAGS' pairs it repeats).
+/// A torch launch of [`DATA_PARALLEL_FLAGS`] over 4 epochs on `gpus` with `topology`; `extra`
+/// adds options or changes those of DATA_PARALLEL_FLAGS.
 fn launch(run_dir: &Path, target: &Path, gpus: &str, topology: &str, extra: &[&str]) -> Command {
-    let mut c = Command::new(bin("dflash-orch"));
-    c.arg("launch")
-        .args(["--gpus", gpus, "--topology", topology, "--engine", "torch"])
-        .args(flags_without(&RUN_FLAGS, extra))
-        .arg("--python")
-        .arg(test_python())
-        .args(extra)
-        .arg("--target-model")
-        .arg(target)
-        .arg("--run-dir")
-        .arg(run_dir)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped());
-    c
+    let mut args = vec!["--gpus", gpus, "--topology", topology, "--engine", "torch"];
+    if !extra.contains(&"--epochs") {
+        args.extend(["--epochs", "4"]);
+    }
+    args.extend_from_slice(extra);
+    launch_with(run_dir, target, &DATA_PARALLEL_FLAGS, &args)
 }
 
 /// Node `rank` of two meeting at `port`.
@@ -95,12 +59,6 @@ fn resume(run_dir: &Path) -> Child {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap()
-}
-
-fn final_bytes(run_dir: &Path) -> Vec<u8> {
-    let root = run_dir.join("checkpoints");
-    let latest = fs::read_to_string(root.join("latest")).unwrap();
-    fs::read(root.join(latest.trim()).join("model.safetensors")).unwrap()
 }
 
 fn commits(run_dir: &Path) -> usize {

@@ -11,7 +11,7 @@ use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
 use dflash_e2e::{
-    assert_clean, bin, children, finish, flags_without, journal_events, orch, script, signal,
+    assert_clean, bin, children, finish, journal_events, launch_with, orch, script, signal,
     stdout_ok, test_python, tiny_target, wait_until, worker_pid, workspace_root,
 };
 use serde_json::Value;
@@ -53,23 +53,10 @@ const MIXED: &str = "target=torch,drafter=candle";
 
 /// A launch of [`RUN_FLAGS`] on `engine`; `extra` adds options or changes those of RUN_FLAGS.
 fn launch(run_dir: &Path, target: &Path, engine: &str, extra: &[&str]) -> Command {
-    let flags = flags_without(&RUN_FLAGS, extra);
-    let mut c = Command::new(bin("dflash-orch"));
-    c.arg("launch")
-        .args(CPU_WORKERS)
-        .args(flags)
-        .args(["--engine", engine])
-        .arg("--python")
-        .arg(test_python())
-        .args(extra)
-        .arg("--target-model")
-        .arg(target)
-        .arg("--run-dir")
-        .arg(run_dir)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped());
-    c
+    let mut args = CPU_WORKERS.to_vec();
+    args.extend(["--engine", engine]);
+    args.extend_from_slice(extra);
+    launch_with(run_dir, target, &RUN_FLAGS, &args)
 }
 
 /// `(step, loss)` of every optimiser step, in order.
@@ -218,13 +205,14 @@ fn the_engines_train_alike_from_the_same_plan() {
     assert_clean(&mixed);
     assert_clean(&torch);
     // The monitor counts a torch worker with its Python side: the child is named and its memory
-    // (torch imported: hundreds of MB) is in the worker's peak.
+    // (torch imported: hundreds of MB) is in the worker's peak. The newest such line: a first
+    // sample may come while the child is still starting, before it imported anything.
     let metrics = fs::read_to_string(torch.join("metrics.jsonl")).unwrap();
     let process = metrics
         .lines()
         .filter_map(|l| serde_json::from_str::<Value>(l).ok())
         .filter(|l| l["kind"] == "process" && l["role"] == "drafter")
-        .find(|l| l["children"].as_array().is_some_and(|c| !c.is_empty()))
+        .rfind(|l| l["children"].as_array().is_some_and(|c| !c.is_empty()))
         .unwrap_or_else(|| panic!("no drafter process line names its Python side"));
     assert!(
         process["peak_rss_bytes"].as_u64().unwrap() > 300 << 20,

@@ -531,6 +531,11 @@ pub fn nodes_from_env(
                 "WORLD_SIZE={world} is not a whole number of LOCAL_WORLD_SIZE={local} nodes"
             )));
         }
+        if let Some(local_rank) = number("LOCAL_RANK")?.filter(|&r| r > 0) {
+            return Err(CliError::Invalid(format!(
+                "LOCAL_RANK={local_rank}: torchrun started {local} processes on this node, and dflash-orch runs once per node (it starts a worker per GPU itself): pass --nproc-per-node 1"
+            )));
+        }
         let addr = match (get("MASTER_ADDR"), get("MASTER_PORT")) {
             (Some(a), Some(p)) => Some(format!("{a}:{p}")),
             _ => None,
@@ -806,6 +811,7 @@ mod tests {
         let torchrun = [
             ("WORLD_SIZE", "8"),
             ("LOCAL_WORLD_SIZE", "4"),
+            ("LOCAL_RANK", "0"),
             ("GROUP_RANK", "1"),
             ("MASTER_ADDR", "10.0.0.1"),
             ("MASTER_PORT", "29500"),
@@ -831,6 +837,14 @@ mod tests {
             (
                 &[("WORLD_SIZE", "6"), ("LOCAL_WORLD_SIZE", "4")][..],
                 "not a whole number of LOCAL_WORLD_SIZE",
+            ),
+            (
+                &[
+                    ("WORLD_SIZE", "8"),
+                    ("LOCAL_WORLD_SIZE", "4"),
+                    ("LOCAL_RANK", "3"),
+                ][..],
+                "LOCAL_RANK=3: torchrun started 4 processes on this node",
             ),
         ] {
             let mut a = args(&[]);
