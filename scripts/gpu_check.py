@@ -30,7 +30,69 @@ Started by scripts/gpu-check (which see for the usage). Steps, each recorded in 
 
 Progress goes to stderr; the summary, one JSON object, to stdout at the end.
 Exit codes: 0 every step passed, 1 a step failed, 2 bad usage.
+
+Nothing this script or a Python process it starts imports comes from the working directory or
+from a folder another user can write: before its first import, the relative and unsafe entries
+leave sys.path and PYTHONPATH (said on stderr), PYTHONSAFEPATH is set for the children, and the
+Python children run from the check's own working folder.
 """
+
+# Before anything else is imported (sys is built in; site imported os at start-up).
+import sys  # noqa: E402
+
+import os  # noqa: E402
+
+
+def _unsafe_import_dir(path):
+    """Why another user could put a module at `path` (None: nobody can); as
+    dflash_common::python::unsafe_import_dir."""
+    if not path.startswith("/"):
+        return "a relative path (it names a folder under the working directory)"
+    me, at, first = os.geteuid(), path, True
+    while True:
+        try:
+            st = os.stat(at)
+        except OSError as e:
+            return f"cannot be read ({e.strerror}); another user might make it" if first else f"{at} cannot be read"
+        sticky, open_write, ours = st.st_mode & 0o1000, st.st_mode & 0o022, st.st_uid in (me, 0)
+        if first and not ours:
+            return f"owned by uid {st.st_uid}, another user"
+        if open_write and (first or not sticky):
+            return f"{'it' if first else at + ' above it'} is writable by other users (mode {st.st_mode & 0o7777:o})"
+        if not ours and not sticky:
+            return f"{at} above it is owned by uid {st.st_uid}, another user"
+        parent = os.path.dirname(at)
+        if parent == at:
+            return None
+        at, first = parent, False
+
+
+def _guard_imports():
+    """Drops the working directory and unsafe folders from this process's sys.path and from
+    the PYTHONPATH its children inherit."""
+    sys.path[:] = [p for p in sys.path if p.startswith("/")]
+    kept = []
+    for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if os.environ.get("PYTHONPATH") else []:
+        why = "an empty entry (it means the working directory)" if not entry else _unsafe_import_dir(entry)
+        if why:
+            print(f"gpu-check: PYTHONPATH entry {entry[:200]!r} left out: {why}", file=sys.stderr)
+            if entry in sys.path:
+                sys.path.remove(entry)
+        elif entry not in kept:
+            kept.append(entry)
+    if kept:
+        os.environ["PYTHONPATH"] = os.pathsep.join(kept)
+    else:
+        os.environ.pop("PYTHONPATH", None)
+    os.environ["PYTHONSAFEPATH"] = "1"
+
+
+_guard_imports()
+
+# The code of `python -c`: drops the relative sys.path entries before any import, then runs
+# sys.argv[1] as __main__ (dflash_common::python::BOOTSTRAP).
+PATH_GUARD = "import sys\nsys.path[:] = [p for p in sys.path if p.startswith('/')]\n"
+BOOTSTRAP = PATH_GUARD + "import runpy\ndel sys.argv[0]\nrunpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)\n"
 
 import argparse
 import json
@@ -106,8 +168,8 @@ def cuda_lib_dirs(python):
     try:
         out = subprocess.run(
             [python, "-c",
-             "import json, site; print(json.dumps(site.getsitepackages() + [site.getusersitepackages()]))"],
-            check=True, capture_output=True, text=True, timeout=30).stdout
+             PATH_GUARD + "import json, site; print(json.dumps(site.getsitepackages() + [site.getusersitepackages()]))"],
+            check=True, capture_output=True, text=True, timeout=30, cwd="/").stdout
         for sp in json.loads(out):
             nv = os.path.join(sp, "nvidia")
             if os.path.isdir(nv):
@@ -367,7 +429,7 @@ def journal_config(run_dir):
 # The steps.
 
 
-TORCH_PROBE = r"""
+TORCH_PROBE = PATH_GUARD + r"""
 import json, torch
 out = {"torch": torch.__version__, "cuda": torch.version.cuda, "available": torch.cuda.is_available(),
        "devices": []}
@@ -409,7 +471,7 @@ def step_environment(ctx):
     env = dict(ctx.env, CUDA_DEVICE_ORDER="PCI_BUS_ID")
     env.pop("CUDA_VISIBLE_DEVICES", None)
     probe = subprocess.run([ctx.args.python, "-c", TORCH_PROBE], capture_output=True, text=True, timeout=180,
-                           env=env)
+                           env=env, cwd=ctx.work)
     try:
         torch_info = json.loads(probe.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
@@ -791,7 +853,7 @@ def step_pytorch(ctx):
             f"({os.path.basename(ctx.args.python)})")
         try:
             out = subprocess.run(cmd, capture_output=True, text=True,
-                                 timeout=ctx.remaining(ctx.args.torch_timeout), env=env)
+                                 timeout=ctx.remaining(ctx.args.torch_timeout), env=env, cwd=ctx.work)
         except subprocess.TimeoutExpired:
             raise StepFailed(f"the PyTorch side did not finish within {ctx.args.torch_timeout} s",
                              oom_halvings=halvings) from None
@@ -911,14 +973,14 @@ def step_drafter_step(ctx):
         if engine == "candle":
             cmd = [ctx.worker, "--drafter-bench", "-"]
         else:
-            cmd = [ctx.args.python, "-m", "dflash_orch.bench_step", "-"]
+            cmd = [ctx.args.python, "-c", BOOTSTRAP, "dflash_orch.bench_step", "-"]
             if pkg:
                 env["PYTHONPATH"] = pkg + os.pathsep + env.get("PYTHONPATH", "")
         log(f"drafter_step: {engine}, {res['tokens_per_step']} tokens, anchor chunk {one['anchor_chunk']}")
         with GpuMemoryPoller() if not ctx.cpu else _Null() as poller:
             try:
                 out = subprocess.run(cmd, input=json.dumps(one), capture_output=True, text=True,
-                                     timeout=ctx.remaining(ctx.args.step_timeout), env=env)
+                                     timeout=ctx.remaining(ctx.args.step_timeout), env=env, cwd=ctx.work)
             except subprocess.TimeoutExpired:
                 res[engine] = {"error": f"did not finish within {ctx.args.step_timeout:g} s"}
                 failures.append(engine)

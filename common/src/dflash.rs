@@ -201,7 +201,8 @@ impl std::str::FromStr for Engines {
     }
 }
 
-/// How a worker starts the torch engine's compute child: `python -m dflash_orch.serve`.
+/// The Python the torch engine's children run in (`dflash_orch.serve` under a worker,
+/// `dflash_orch.decode` under `eval` and `generate`, the pre-flight), and where our package is.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TorchRuntime {
     /// The interpreter.
@@ -213,15 +214,15 @@ pub struct TorchRuntime {
 }
 
 impl TorchRuntime {
-    /// The `PYTHONPATH` its Python runs with: `package_dir` first, then `existing` (the
-    /// caller's); None without a package directory (the package is installed).
-    pub fn python_path(&self, existing: Option<std::ffi::OsString>) -> Option<std::ffi::OsString> {
-        let dir = self.package_dir.as_ref()?;
-        let mut paths = vec![dir.clone()];
-        if let Some(existing) = existing {
-            paths.extend(std::env::split_paths(&existing));
-        }
-        Some(std::env::join_paths(paths).unwrap_or_else(|_| dir.as_os_str().to_owned()))
+    /// A command running `python -c BOOTSTRAP module` in `cwd`: imports only from the
+    /// interpreter's paths, the package directory and the caller's `PYTHONPATH` entries that no
+    /// other user can write (see [`crate::python`]); what was left out comes back to be said.
+    pub fn module_command(
+        &self,
+        module: &str,
+        cwd: &Path,
+    ) -> (std::process::Command, Vec<crate::python::Dropped>) {
+        crate::python::module_command(&self.python, self.package_dir.as_deref(), module, cwd)
     }
 }
 
@@ -359,7 +360,8 @@ impl std::str::FromStr for Precision {
 pub struct DrafterRank {
     pub rank: u32,
     pub ranks: u32,
-    /// The process group's rendezvous (`HOST:PORT`), with more than one rank.
+    /// The process group's rendezvous, with more than one rank: `file:PATH`, a FileStore of
+    /// one node's run, or `HOST:PORT` of node 0 with several nodes.
     pub rendezvous: Option<String>,
     /// How long forming the group and each collective may take, in seconds.
     pub timeout_s: f64,
@@ -422,16 +424,25 @@ impl DrafterRank {
         }
         let rendezvous = get(rendezvous_var);
         if let Some(r) = &rendezvous {
-            let port = r.rsplit_once(':').and_then(|(host, port)| {
-                (!host.is_empty()).then_some(())?;
-                port.parse::<u16>().ok().filter(|&p| p > 0)
-            });
-            if port.is_none() {
-                return Err(format!("{rendezvous_var}={r:?} is not HOST:PORT"));
+            let ok = match r.strip_prefix("file:") {
+                Some(path) => Path::new(path).is_absolute(),
+                None => r
+                    .rsplit_once(':')
+                    .and_then(|(host, port)| {
+                        (!host.is_empty()).then_some(())?;
+                        port.parse::<u16>().ok().filter(|&p| p > 0)
+                    })
+                    .is_some(),
+            };
+            if !ok {
+                return Err(format!(
+                    "{rendezvous_var}={:?} is not HOST:PORT or file:ABSOLUTE-PATH",
+                    crate::python::clip(r, 200)
+                ));
             }
         } else if ranks > 1 {
             return Err(format!(
-                "{ranks_var}={ranks} drafters need {rendezvous_var} (HOST:PORT)"
+                "{ranks_var}={ranks} drafters need {rendezvous_var} (HOST:PORT or file:PATH)"
             ));
         }
         let timeout_s = match get(timeout_var) {
@@ -977,16 +988,13 @@ mod tests {
             python: "python3".into(),
             package_dir: Some("/t/python".into()),
         };
-        assert_eq!(
-            runtime.python_path(Some("/a:/b".into())),
-            Some("/t/python:/a:/b".into())
-        );
-        assert_eq!(runtime.python_path(None), Some("/t/python".into()));
-        let installed = TorchRuntime {
-            package_dir: None,
-            ..runtime
-        };
-        assert_eq!(installed.python_path(Some("/a".into())), None);
+        let (command, _) = runtime.module_command("dflash_orch.serve", Path::new("/"));
+        let path = command
+            .get_envs()
+            .find(|(k, _)| *k == "PYTHONPATH")
+            .and_then(|(_, v)| v)
+            .unwrap();
+        assert!(path.to_string_lossy().starts_with("/t/python"), "{path:?}");
     }
 
     #[test]

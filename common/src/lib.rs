@@ -3,6 +3,7 @@
 
 pub mod dflash;
 pub mod eval;
+pub mod python;
 pub mod ring;
 pub mod run_dir;
 pub mod wire;

@@ -20,7 +20,10 @@ import torch
 class Group:
     """This process's place in the drafters' process group."""
 
-    def __init__(self, rank, world, address, port, device, timeout_s=120.0):
+    def __init__(self, rank, world, device, timeout_s=120.0, store=None, address=None, port=None):
+        """Joins the group at `store` (a FileStore's path in a directory of the run's own, on
+        one node: nothing another user can reach) or at `address:port` (node 0's, with several
+        nodes)."""
         import torch.distributed as dist
 
         if not 0 <= rank < world:
@@ -29,9 +32,14 @@ class Group:
         self.rank, self.world = int(rank), int(world)
         self.device = device
         self.backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(
-            self.backend, init_method=f"tcp://{address}:{int(port)}", rank=self.rank,
-            world_size=self.world, timeout=datetime.timedelta(seconds=float(timeout_s)))
+        timeout = datetime.timedelta(seconds=float(timeout_s))
+        if store is not None:
+            dist.init_process_group(self.backend, store=dist.FileStore(str(store), self.world),
+                                    rank=self.rank, world_size=self.world, timeout=timeout)
+        else:
+            dist.init_process_group(
+                self.backend, init_method=f"tcp://{address}:{int(port)}", rank=self.rank,
+                world_size=self.world, timeout=timeout)
 
     def close(self):
         if self.dist.is_initialized():

@@ -19,7 +19,8 @@ Requests:
 - `{"op": "init", "role": "drafter", "model": DIR, "names": [...], "shape": {...},
   "block_size": B, "mask_token_id": M, "states": n, "gamma": g|null, "distill": [share, T]|null,
   "anchor_chunk": c|null, "weight_decay": wd, "dtype", "feature_dtype", "ring", "weights": DIR,
-  "adam_t": t, "threads", "group": null|{"rank", "world", "address", "port", "timeout_s"}}` ->
+  "adam_t": t, "threads", "group": null|{"rank", "world", "timeout_s", "store": PATH |
+  "address", "port"}}` ->
   loads the drafter (`dflash_orch.drafter`) with the weights and moments in `weights` (a
   checkpoint's `model.safetensors` and `optimizer.safetensors`); with `group`, joins the
   data-parallel drafters' process group (`dflash_orch.parallel`).
@@ -95,13 +96,15 @@ class Server:
             if group:
                 from .parallel import Group
 
+                where = (group["store"] if group.get("store") is not None
+                         else f"{group.get('address')}:{group.get('port')}")
                 try:
                     self.drafter.group = Group(
-                        int(group["rank"]), int(group["world"]), str(group["address"]),
-                        int(group["port"]), self.drafter.device,
-                        float(group.get("timeout_s") or 120.0))
+                        int(group["rank"]), int(group["world"]), self.drafter.device,
+                        float(group.get("timeout_s") or 120.0), store=group.get("store"),
+                        address=group.get("address"), port=group.get("port"))
                 except Exception as e:  # a port taken meanwhile, a peer that never came
-                    raise Refused(f"{RENDEZVOUS_FAILED} at {group['address']}:{group['port']} "
+                    raise Refused(f"{RENDEZVOUS_FAILED} at {where} "
                                   f"(rank {group['rank']} of {group['world']}): "
                                   f"{type(e).__name__}: {e}") from e
             return {

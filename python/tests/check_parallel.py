@@ -77,7 +77,8 @@ def main():
     if a.mode == "rank":
         from dflash_orch.parallel import Group
 
-        d.group = Group(a.rank, a.world, "127.0.0.1", a.port, torch.device("cpu"), timeout_s=60)
+        d.group = Group(a.rank, a.world, torch.device("cpu"), timeout_s=60, address="127.0.0.1",
+                        port=a.port)
     for step in range(2):
         positions = range(a.rank, accum, a.world) if a.mode == "rank" else range(accum)
         for p in positions:

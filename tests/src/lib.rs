@@ -7,6 +7,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+pub mod planted;
+
 /// The planner's shape of the synthetic runtime tests (after `--synthetic N`): batches of up to
 /// 16,384 tokens, samples of up to 4,096, four automatic buckets.
 pub const SYNTHETIC_PLAN: [&str; 6] = [

@@ -91,12 +91,27 @@ fn data_parallel_drafters_repeat_to_the_bit_and_agree_with_one_drafter() {
     };
     let one = run("one", (2, 1));
     let two = run("two", (2, 2));
+    // The second run of two drafters is attacked as another user would: every socket that
+    // starts listening meanwhile (the collective backend's) gets junk keys in a TCPStore's
+    // format, oversized lengths, noise and silent connections, and every file of the drafters'
+    // store is opened for writing. The run goes on to the same bytes.
+    let attack = Attack::start(dir.path(), &dir.path().join("again"));
     let again = run("again", (2, 2));
-    let three = run("three", (2, 3));
+    let report = attack.stop();
     assert!(
         final_bytes(&two) == final_bytes(&again),
-        "two runs with two drafters ended with different model.safetensors"
+        "two runs with two drafters ended with different model.safetensors (one under attack: {report})"
     );
+    assert!(
+        !report["attacked"].as_array().unwrap().is_empty(),
+        "the attack found no listener to hit: {report}"
+    );
+    assert_eq!(
+        report["store_files_touched"],
+        Value::Array(vec![]),
+        "another user wrote to the drafters' store"
+    );
+    let three = run("three", (2, 3));
     let reference = steps(&one);
     assert_eq!(reference.len(), 16, "2 epochs of 8 groups: {reference:?}");
     for (run_dir, drafters) in [(&two, 2), (&three, 3)] {
@@ -256,5 +271,61 @@ fn data_parallel_drafters_refuse_what_they_cannot_do() {
         let out = launch(&run_dir, &target, (2, 2), extra).output().unwrap();
         assert_refused(&out, 2, needle);
         assert!(!run_dir.exists(), "nothing is created");
+    }
+}
+
+/// `python/tests/attack_listeners.py` run as another user (uid 65534, the system's Python)
+/// against the run in `run_dir`, until stopped.
+struct Attack {
+    child: std::process::Child,
+    report: std::path::PathBuf,
+}
+
+impl Attack {
+    fn start(dir: &Path, run_dir: &Path) -> Self {
+        use std::os::unix::fs::PermissionsExt;
+        use std::os::unix::process::CommandExt;
+        let home = dir.join("attacker");
+        fs::create_dir_all(&home).unwrap();
+        fs::set_permissions(&home, fs::Permissions::from_mode(0o777)).unwrap();
+        // Readable by the attacker: the script is copied out of the workspace.
+        let script = home.join("attack.py");
+        fs::copy(
+            dflash_e2e::workspace_root().join("python/tests/attack_listeners.py"),
+            &script,
+        )
+        .unwrap();
+        fs::set_permissions(&script, fs::Permissions::from_mode(0o644)).unwrap();
+        let report = home.join("report.json");
+        let python = Path::new("/usr/bin/python3");
+        assert!(
+            python.exists(),
+            "the attack runs on the system's /usr/bin/python3"
+        );
+        let mut c = Command::new(python);
+        c.arg("-I")
+            .arg(&script)
+            .arg("--report")
+            .arg(&report)
+            .arg("--store-dir")
+            .arg(run_dir.join("drafters"))
+            .current_dir(&home)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null());
+        if dflash_e2e::planted::is_root() {
+            c.uid(dflash_e2e::planted::ATTACKER)
+                .gid(dflash_e2e::planted::ATTACKER);
+        }
+        let child = c.spawn().unwrap();
+        wait_until("the attack to start", Duration::from_secs(30), || {
+            report.exists()
+        });
+        Self { child, report }
+    }
+
+    fn stop(mut self) -> Value {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        serde_json::from_slice(&fs::read(&self.report).unwrap()).unwrap()
     }
 }

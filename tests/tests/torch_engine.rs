@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
+use dflash_e2e::planted::Planted;
 use dflash_e2e::{
     assert_clean, bin, children, finish, journal_events, launch_with, orch, script, signal,
     stdout_ok, test_python, tiny_target, wait_until, worker_pid, workspace_root,
@@ -260,6 +261,9 @@ fn the_engines_train_alike_from_the_same_plan() {
 fn the_dry_run_plans_the_torch_workers() {
     let dir = tempfile::tempdir().unwrap();
     let target = tiny_target(dir.path());
+    // Run from a directory where another user planted modules (see `torch_demo`): the dry
+    // run's pre-flight imports none of them.
+    let planted = Planted::new(dir.path());
     let plan = |engine: &str| -> Value {
         let mut c = launch(
             &dir.path().join("run"),
@@ -267,7 +271,12 @@ fn the_dry_run_plans_the_torch_workers() {
             engine,
             &["--dry-run", "--json"],
         );
-        let out = c.stdout(Stdio::piped()).output().unwrap();
+        let out = planted
+            .run_from(&mut c)
+            .stdout(Stdio::piped())
+            .output()
+            .unwrap();
+        planted.assert_none_ran("launch --dry-run");
         assert!(
             out.status.success(),
             "{}",
@@ -724,9 +733,16 @@ fn arch_target(dir: &Path, arch: &str) -> PathBuf {
 /// `demo --engine torch` on `target`: generate (the target's replies), prepare, launch, eval
 /// before and after training. Lossless both times; τ after training at least `gain` times τ
 /// before.
+///
+/// It runs from a directory where another user planted modules named as what the engine imports
+/// (`torch`, `transformers`, our `dflash_orch`, ...), which `PYTHONPATH` names too: none of them
+/// runs, in the pre-flight, the workers' engine, `generate` or `eval`.
 fn torch_demo(dir: &Path, target: &Path, gain: f64) -> Value {
     let run = dir.join("demo");
-    let out = orch(&[
+    let planted = Planted::new(dir);
+    let mut command = Command::new(bin("dflash-orch"));
+    planted.run_from(&mut command);
+    command.args([
         "demo",
         "--run-dir",
         run.to_str().unwrap(),
@@ -742,6 +758,8 @@ fn torch_demo(dir: &Path, target: &Path, gain: f64) -> Value {
         target.to_str().unwrap(),
         "--json",
     ]);
+    let out = command.output().unwrap();
+    planted.assert_none_ran("demo --engine torch");
     let demo: Value = serde_json::from_str(&stdout_ok(&out)).unwrap();
     let served = &demo["served"];
     let (before, after) = (

@@ -136,6 +136,10 @@ pub fn run_generate(request: &Path) -> Result<(), String> {
     let req: GenerateRequest =
         crate::speculative::read_request(request, |r: &GenerateRequest| r.version)?;
     if let Some(runtime) = &req.torch {
+        let req = GenerateRequest {
+            target_model: crate::speculative::absolute(&req.target_model)?,
+            ..req.clone()
+        };
         return crate::torch::decode("generate", &req, runtime);
     }
     let (_, model, _, lm_head) = crate::speculative::load_target(&req.target_model, req.dtype)?;

@@ -382,8 +382,10 @@ pub fn run_eval(request: &Path) -> Result<(), String> {
                 )?)
             }
         };
+        // The decoder runs in a directory of its own: the paths it reads are made absolute.
         let req = EvalRequest {
-            drafter: init.as_ref().map_or(req.drafter.clone(), |d| d.0.clone()),
+            drafter: absolute(init.as_ref().map_or(&req.drafter, |d| &d.0))?,
+            target_model: absolute(&req.target_model)?,
             init_seed: None,
             ..req.clone()
         };
@@ -436,4 +438,10 @@ pub fn run_eval(request: &Path) -> Result<(), String> {
             .map_err(|e| format!("cannot write the result: {e}"))?;
     }
     Ok(())
+}
+
+/// `path` made absolute against this process's working directory (for a child that runs in
+/// another).
+pub fn absolute(path: &Path) -> Result<std::path::PathBuf, String> {
+    std::path::absolute(path).map_err(|e| format!("{}: {e}", path.display()))
 }

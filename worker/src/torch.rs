@@ -16,7 +16,7 @@
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::process::CommandExt;
 use std::path::Path;
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::process::{Child, ChildStdin, ChildStdout, Stdio};
 
 use dflash_common::dflash::{DflashSettings, DrafterRank, TorchRuntime};
 use dflash_common::ring::{Ring, features_offset};
@@ -45,18 +45,15 @@ pub struct TorchChild {
 }
 
 impl TorchChild {
-    /// Starts `python -m dflash_orch.serve` as `runtime` says.
-    pub fn start(runtime: &TorchRuntime) -> Result<Self, String> {
-        let mut command = Command::new(&runtime.python);
+    /// Starts `dflash_orch.serve` as `runtime` says, in `cwd` (the run directory): it imports
+    /// nothing from this process's working directory (see [`dflash_common::python`]).
+    pub fn start(runtime: &TorchRuntime, cwd: &Path) -> Result<Self, String> {
+        let (mut command, _) = runtime.module_command("dflash_orch.serve", cwd);
         command
-            .args(["-m", "dflash_orch.serve"])
             .env("PYTHONUNBUFFERED", "1")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
-        if let Some(path) = runtime.python_path(std::env::var_os("PYTHONPATH")) {
-            command.env("PYTHONPATH", path);
-        }
         let parent = std::process::id();
         // SAFETY: only async-signal-safe calls between fork and exec (prctl, getppid, _exit).
         unsafe {
@@ -169,7 +166,7 @@ impl TargetStage {
         let runtime = settings.torch.as_ref().ok_or(
             "the torch engine was chosen, but the settings say no Python (a stale dflash.json?)",
         )?;
-        let mut child = TorchChild::start(runtime)?;
+        let mut child = TorchChild::start(runtime, run_dir(settings))?;
         let threads = threads();
         let init = child.request(&json!({
             "op": "init",
@@ -302,7 +299,7 @@ impl DrafterEngine {
             .and_then(|()| checkpoint::write_tensors(&exchange, weights, moments))
             .map_err(|e| format!("{}: {e}", exchange.display()))?;
         let mut engine = Self {
-            child: TorchChild::start(runtime)?,
+            child: TorchChild::start(runtime, run_dir(settings))?,
             exchange,
             reduce_s: 0.0,
         };
@@ -357,21 +354,33 @@ impl Drop for DrafterEngine {
     }
 }
 
-/// The process group of data-parallel drafters, for the child's `init` (null: one drafter).
+/// The run directory, the torch child's working directory (the checkpoints' parent).
+fn run_dir(settings: &DflashSettings) -> &Path {
+    settings
+        .checkpoint_dir
+        .parent()
+        .filter(|d| d.is_absolute())
+        .unwrap_or(Path::new("/"))
+}
+
+/// The process group of data-parallel drafters, for the child's `init` (null: one drafter):
+/// a FileStore's path on one node, node 0's address and port with several.
 fn group_request(rank: &DrafterRank) -> Value {
-    let Some((address, port)) = rank.rendezvous.as_deref().and_then(|r| r.rsplit_once(':')) else {
+    let Some(rendezvous) = rank.rendezvous.as_deref().filter(|_| rank.ranks > 1) else {
         return Value::Null;
     };
-    if rank.ranks < 2 {
-        return Value::Null;
-    }
-    json!({
+    let mut group = json!({
         "rank": rank.rank,
         "world": rank.ranks,
-        "address": address.trim_start_matches('[').trim_end_matches(']'),
-        "port": port.parse::<u16>().unwrap_or(0),
         "timeout_s": rank.timeout_s,
-    })
+    });
+    if let Some(path) = rendezvous.strip_prefix("file:") {
+        group["store"] = json!(path);
+    } else if let Some((address, port)) = rendezvous.rsplit_once(':') {
+        group["address"] = json!(address.trim_start_matches('[').trim_end_matches(']'));
+        group["port"] = json!(port.parse::<u16>().unwrap_or(0));
+    }
+    group
 }
 
 /// Threads for the child: the worker's own setting (`RAYON_NUM_THREADS`), else the child's
@@ -497,16 +506,19 @@ pub fn decode(
 ) -> Result<(), String> {
     let mut line = serde_json::to_string(request).map_err(|e| e.to_string())?;
     line.push('\n');
-    let mut command = Command::new(&runtime.python);
+    // A working directory of its own, removed when the decoder is done: nothing the caller's
+    // directory holds is imported or read (the request's paths are absolute).
+    let cwd = tempfile::Builder::new()
+        .prefix("dflash-decode-")
+        .tempdir()
+        .map_err(|e| format!("cannot make a private directory for the torch engine: {e}"))?;
+    let (mut command, _) = runtime.module_command("dflash_orch.decode", cwd.path());
     command
-        .args(["-m", "dflash_orch.decode", mode])
+        .arg(mode)
         .env("PYTHONUNBUFFERED", "1")
         .stdin(Stdio::piped())
         .stdout(Stdio::inherit())
         .stderr(Stdio::inherit());
-    if let Some(path) = runtime.python_path(std::env::var_os("PYTHONPATH")) {
-        command.env("PYTHONPATH", path);
-    }
     // SAFETY: only async-signal-safe calls between fork and exec (prctl).
     unsafe {
         command.pre_exec(|| {

@@ -568,6 +568,10 @@ pub fn launch(
                 port: share.map_or(0, |(_, port)| port),
                 timeout_s: dflash_common::dflash::DrafterRank::DEFAULT_TIMEOUT_S,
                 nodes: share.map(|(s, _)| s),
+                store_dir: share
+                    .is_none()
+                    .then(|| workers::drafter_store_dir(run_dir_path)),
+                starts: 0,
             },
         ),
     };

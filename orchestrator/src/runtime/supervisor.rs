@@ -254,7 +254,7 @@ impl Run {
     }
 
     /// Data-parallel drafters start together, once every one of them is down and due, at a
-    /// rendezvous port of their own (a stale group can never be joined).
+    /// rendezvous of their own (a stale group can never be joined).
     fn start_drafter_group(&mut self, now: Instant) -> Result<(), RunError> {
         let members = self.group_workers();
         if self.stopping.is_some() || members.is_empty() || self.node_failure.is_some() {
@@ -268,10 +268,10 @@ impl Run {
             return Ok(());
         }
         if let Some(g) = self.launch.drafters.as_mut() {
-            g.pick_port().map_err(|e| {
+            g.next_start().map_err(|e| {
                 RunError::Failed(format!(
-                    "no free port for the drafters' rendezvous on {}: {e}",
-                    g.host
+                    "cannot ready the drafters' rendezvous ({}): {e}",
+                    g.rendezvous()
                 ))
             })?;
         }

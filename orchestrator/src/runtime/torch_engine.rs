@@ -3,7 +3,7 @@
 //! package, and CUDA with enough devices when the run is on GPUs).
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use dflash_common::dflash::{Engine, TorchRuntime};
@@ -136,18 +136,23 @@ pub fn major_minor(version: &str) -> Option<(u32, u32)> {
 /// Runs the pre-flight in `runtime`'s Python and reads its answer.
 pub fn probe(runtime: &TorchRuntime, model: Option<&Path>) -> Result<Preflight, String> {
     let py = runtime.python.display();
-    let mut command = Command::new(&runtime.python);
-    command.args(["-m", "dflash_orch.preflight"]);
+    // A working directory of its own: nothing the caller's directory holds is imported or read.
+    let cwd = tempfile::Builder::new()
+        .prefix("dflash-preflight-")
+        .tempdir()
+        .map_err(|e| format!("cannot make a private directory for the pre-flight: {e}"))?;
+    let (mut command, dropped) = runtime.module_command("dflash_orch.preflight", cwd.path());
+    for d in &dropped {
+        tracing::warn!("{d} (the torch engine's Python imports from none of them)");
+    }
     if let Some(model) = model {
+        let model = std::path::absolute(model).map_err(|e| format!("{}: {e}", model.display()))?;
         command.arg("--model").arg(model);
     }
     command
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    if let Some(path) = runtime.python_path(std::env::var_os("PYTHONPATH")) {
-        command.env("PYTHONPATH", path);
-    }
     let child = command.spawn().map_err(|e| match e.kind() {
         std::io::ErrorKind::NotFound => format!(
             "the torch engine needs Python >= {}.{}: {py} was not found (install Python, or point --python or DFLASH_PYTHON at one)",

@@ -3,6 +3,7 @@
 //! on a thread of its own, which a dummy connection unblocks if the child dies first).
 
 use std::fs::OpenOptions;
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -34,17 +35,25 @@ pub struct Launch {
 }
 
 /// The run's data-parallel drafters: workers `first..first + ranks`, one `torch.distributed`
-/// process group, formed afresh (a new port) each time the group starts.
+/// process group, formed afresh (a new store) each time the group starts.
+///
+/// On one node the group meets in a `torch.distributed` FileStore in a directory of the run's
+/// own (mode 0700): no port, nothing another user can reach or guess. With several nodes it meets
+/// at `host:port` of node 0.
 #[derive(Debug, Clone)]
 pub struct DrafterGroup {
     pub first: u32,
     pub ranks: u32,
-    /// The address rank 0 listens on, and the port of the group's current start.
+    /// With several nodes: the address rank 0 listens on, and the port node 0 picked.
     pub host: String,
     pub port: u16,
     pub timeout_s: f64,
     /// With several nodes: where this node's drafters stand among every node's.
     pub nodes: Option<NodeShare>,
+    /// On one node: the directory of the group's stores (made 0700 at the first start).
+    pub store_dir: Option<PathBuf>,
+    /// Starts so far: each start's store is a new file.
+    pub starts: u64,
 }
 
 /// This node's drafters among every node's: ranks `base..base + ranks` of `world`, meeting at
@@ -62,15 +71,47 @@ impl DrafterGroup {
         id.checked_sub(self.first).filter(|&r| r < self.ranks)
     }
 
-    /// Picks the port of the group's next start: one the system has free now (rank 0 binds it
-    /// moments later; a clash fails the start, which is retried with another).
-    pub fn pick_port(&mut self) -> std::io::Result<()> {
-        if self.nodes.is_some() {
-            return Ok(()); // node 0 picked it for every node
+    /// Readies the group's next start: on one node a new store file (the stores of earlier
+    /// starts, which a killed rank may have left, are removed); with several nodes, node 0
+    /// picked the port for every node.
+    pub fn next_start(&mut self) -> std::io::Result<()> {
+        let Some(dir) = &self.store_dir else {
+            return Ok(());
+        };
+        match std::fs::DirBuilder::new()
+            .mode(0o700)
+            .recursive(false)
+            .create(dir)
+        {
+            Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => return Err(e),
+            _ => {}
         }
-        let listener = std::net::TcpListener::bind((self.host.as_str(), 0))?;
-        self.port = listener.local_addr()?.port();
+        let meta = std::fs::symlink_metadata(dir)?;
+        if !meta.is_dir() || meta.permissions().mode() & 0o077 != 0 {
+            return Err(std::io::Error::other(format!(
+                "{} is not a private directory (mode {:o})",
+                dir.display(),
+                meta.permissions().mode() & 0o7777
+            )));
+        }
+        for entry in std::fs::read_dir(dir)?.flatten() {
+            let _ = std::fs::remove_file(entry.path());
+        }
+        self.starts += 1;
         Ok(())
+    }
+
+    /// Where the ranks meet ([`dflash_common::dflash::DrafterRank::ENV`]'s rendezvous): the
+    /// current start's store file (`file:PATH`), or `HOST:PORT`.
+    pub fn rendezvous(&self) -> String {
+        match &self.store_dir {
+            Some(dir) => format!(
+                "file:{}",
+                dir.join(format!("store-{}", self.starts)).display()
+            ),
+            None if self.host.contains(':') => format!("[{}]:{}", self.host, self.port),
+            None => format!("{}:{}", self.host, self.port),
+        }
     }
 }
 
@@ -113,14 +154,12 @@ fn cuda_library_candidates(site_packages: &[PathBuf]) -> Vec<PathBuf> {
 
 /// The site-packages folders of `python` (none when it does not run).
 fn site_packages(python: &Path) -> Vec<PathBuf> {
-    let out = Command::new(python)
-        .args([
-            "-c",
-            "import site, sys; print('\\n'.join(site.getsitepackages() + [site.getusersitepackages()]))",
-        ])
-        .stdin(Stdio::null())
-        .stderr(Stdio::null())
-        .output();
+    let mut command = Command::new(python);
+    command.arg("-c").arg(dflash_common::python::guarded(
+        "import site\nprint('\\n'.join(site.getsitepackages() + [site.getusersitepackages()]))",
+    ));
+    dflash_common::python::safe_environment(&mut command, None, Path::new("/"));
+    let out = command.stdin(Stdio::null()).stderr(Stdio::null()).output();
     match out {
         Ok(out) if out.status.success() => String::from_utf8_lossy(&out.stdout)
             .lines()
@@ -131,34 +170,46 @@ fn site_packages(python: &Path) -> Vec<PathBuf> {
     }
 }
 
-/// `LD_LIBRARY_PATH` for a GPU worker: `current` followed by every candidate folder holding one
-/// of [`CUDA_LIBRARIES`] (the user's own folders keep precedence); `None` when nothing is added.
+/// `LD_LIBRARY_PATH` for a worker: the entries of `current` that no other user can write (a
+/// relative or empty entry names the working directory, where another user may have put a
+/// library), then, on a GPU (`candidates` given), every candidate folder holding one of
+/// [`CUDA_LIBRARIES`] (the user's own folders keep precedence); `None` when that is `current`.
 pub fn cuda_library_path(
     current: Option<&std::ffi::OsStr>,
     candidates: &[PathBuf],
 ) -> Option<std::ffi::OsString> {
-    let mut dirs: Vec<PathBuf> = current
-        .map(|c| {
-            std::env::split_paths(c)
-                .filter(|p| !p.as_os_str().is_empty())
-                .collect()
-        })
+    let given: Vec<PathBuf> = current
+        .map(|c| std::env::split_paths(c).collect())
         .unwrap_or_default();
-    let before = dirs.len();
+    let mut dirs: Vec<PathBuf> = Vec::new();
+    for dir in &given {
+        match dflash_common::python::unsafe_import_dir(dir) {
+            None if !dirs.contains(dir) => dirs.push(dir.clone()),
+            None => {}
+            Some(why) => tracing::warn!(
+                "LD_LIBRARY_PATH entry {:?} left out of the workers' environment: {why}",
+                crate::format::clip(&dir.to_string_lossy(), 200)
+            ),
+        }
+    }
     for dir in candidates {
-        if !dirs.contains(dir) && CUDA_LIBRARIES.iter().any(|l| dir.join(l).is_file()) {
+        if !dirs.contains(dir)
+            && CUDA_LIBRARIES.iter().any(|l| dir.join(l).is_file())
+            && dflash_common::python::unsafe_import_dir(dir).is_none()
+        {
             dirs.push(dir.clone());
         }
     }
-    (dirs.len() > before).then(|| std::env::join_paths(dirs).ok())?
+    (dirs != given).then(|| std::env::join_paths(dirs).ok())?
 }
 
 /// The environment of a process on `gpu` (none: a CPU process): `CUDA_VISIBLE_DEVICES`, with
 /// `CUDA_DEVICE_ORDER=PCI_BUS_ID` so that CUDA numbers the GPUs as NVML does (CUDA's default
-/// puts the fastest first, and GPU 1 of `--gpus` would be another GPU than NVML's GPU 1); and on
-/// a GPU, the CUDA libraries' folders on `LD_LIBRARY_PATH` (found once per process; `python` is
-/// the interpreter whose CUDA wheels may hold them), so a CUDA build of the worker finds them
-/// without the user exporting anything.
+/// puts the fastest first, and GPU 1 of `--gpus` would be another GPU than NVML's GPU 1); an
+/// `LD_LIBRARY_PATH` without the entries another user could write; and on a GPU, the CUDA
+/// libraries' folders on it (found once per process; `python` is the interpreter whose CUDA
+/// wheels may hold them), so a CUDA build of the worker finds them without the user exporting
+/// anything.
 pub fn device_env(command: &mut Command, gpu: Option<u32>, python: Option<&Path>) {
     command
         .env(
@@ -166,17 +217,27 @@ pub fn device_env(command: &mut Command, gpu: Option<u32>, python: Option<&Path>
             gpu.map(|g| g.to_string()).unwrap_or_default(),
         )
         .env("CUDA_DEVICE_ORDER", "PCI_BUS_ID");
-    if gpu.is_none() {
-        return;
-    }
-    static PATH: std::sync::OnceLock<Option<std::ffi::OsString>> = std::sync::OnceLock::new();
-    let path = PATH.get_or_init(|| {
-        let python = crate::runtime::torch_engine::python(python);
-        let candidates = cuda_library_candidates(&site_packages(&python));
-        cuda_library_path(std::env::var_os("LD_LIBRARY_PATH").as_deref(), &candidates)
-    });
-    if let Some(path) = path {
-        command.env("LD_LIBRARY_PATH", path);
+    type Found = std::sync::OnceLock<Option<std::ffi::OsString>>;
+    static GPU: Found = std::sync::OnceLock::new();
+    static CPU: Found = std::sync::OnceLock::new();
+    let current = std::env::var_os("LD_LIBRARY_PATH");
+    let path = if gpu.is_some() {
+        GPU.get_or_init(|| {
+            let python = crate::runtime::torch_engine::python(python);
+            let candidates = cuda_library_candidates(&site_packages(&python));
+            cuda_library_path(current.as_deref(), &candidates)
+        })
+    } else {
+        CPU.get_or_init(|| cuda_library_path(current.as_deref(), &[]))
+    };
+    match path {
+        Some(path) if path.is_empty() => {
+            command.env_remove("LD_LIBRARY_PATH");
+        }
+        Some(path) => {
+            command.env("LD_LIBRARY_PATH", path);
+        }
+        None => {}
     }
 }
 
@@ -305,15 +366,10 @@ pub fn spawn(
         let [rank_var, ranks_var, rendezvous_var, timeout_var] =
             dflash_common::dflash::DrafterRank::ENV;
         let (base, world) = group.nodes.map_or((0, group.ranks), |n| (n.base, n.world));
-        let host = if group.host.contains(':') {
-            format!("[{}]", group.host)
-        } else {
-            group.host.clone()
-        };
         command
             .env(rank_var, (base + rank).to_string())
             .env(ranks_var, world.to_string())
-            .env(rendezvous_var, format!("{host}:{}", group.port))
+            .env(rendezvous_var, group.rendezvous())
             .env(timeout_var, group.timeout_s.to_string());
         if let Some(share) = group.nodes {
             let [local_var, resume_var] = dflash_common::dflash::DrafterRank::NODE_ENV;
@@ -422,6 +478,11 @@ pub fn log_dir(run_dir: &Path) -> PathBuf {
     run_dir.join("logs")
 }
 
+/// Where one node's data-parallel drafters meet (see [`DrafterGroup`]).
+pub fn drafter_store_dir(run_dir: &Path) -> PathBuf {
+    run_dir.join("drafters")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -452,15 +513,35 @@ mod tests {
         let cublas = sp.join("nvidia/cublas/lib");
         let cudart = sp.join("nvidia/cuda_runtime/lib");
         assert!(candidates.contains(&cublas) && candidates.contains(&cudart));
-        let path = cuda_library_path(Some("/mine:".as_ref()), &candidates).unwrap();
+        let mine = dir.path().join("mine");
+        std::fs::create_dir(&mine).unwrap();
+        let current = std::env::join_paths([mine.as_path(), "".as_ref(), "lib".as_ref()]).unwrap();
+        let path = cuda_library_path(Some(&current), &candidates).unwrap();
         let dirs: Vec<PathBuf> = std::env::split_paths(&path).collect();
-        assert_eq!(dirs[0], PathBuf::from("/mine"));
+        // The user's folder first; the working directory ("" and "lib") never.
+        assert_eq!(dirs[0], mine);
+        assert!(!dirs.iter().any(|d| d.is_relative()), "{dirs:?}");
         assert!(dirs.contains(&cublas) && dirs.contains(&cudart), "{dirs:?}");
         assert!(!dirs.contains(&sp.join("nvidia/empty/lib")));
         // Already there: nothing to add.
         let again = cuda_library_path(Some(&path), &candidates);
         assert_eq!(again, None);
         assert_eq!(cuda_library_path(None, &[dir.path().join("missing")]), None);
+        // A CPU worker keeps the user's safe folders and loses the rest.
+        assert_eq!(cuda_library_path(Some(mine.as_os_str()), &[]), None);
+        let open = dir.path().join("open");
+        std::fs::create_dir(&open).unwrap();
+        std::fs::set_permissions(&open, std::os::unix::fs::PermissionsExt::from_mode(0o777))
+            .unwrap();
+        let mixed = std::env::join_paths([open.as_path(), mine.as_path()]).unwrap();
+        assert_eq!(
+            cuda_library_path(Some(&mixed), &[]),
+            Some(mine.clone().into())
+        );
+        assert_eq!(
+            cuda_library_path(Some("rel".as_ref()), &[]),
+            Some("".into())
+        );
         // A GPU process numbers GPUs as NVML does; a CPU one sees none.
         let mut c = Command::new("true");
         device_env(&mut c, None, None);
