@@ -1,5 +1,6 @@
 """Data-parallel torch drafters: the D drafter ranks of a run form one `torch.distributed`
-process group (gloo on CPU, NCCL on GPU) at a rendezvous address the orchestrator picks.
+process group (gloo on CPU, NCCL on GPU) at a rendezvous the orchestrator picks: a FileStore in
+the run directory on one node, the authenticated store of `authstore.py` across nodes.
 
 Every rank takes the same optimiser step, so every rank must hold the same summed gradient, to
 the bit, whatever the timing. A reduction whose order follows message arrival does not promise
@@ -20,10 +21,12 @@ import torch
 class Group:
     """This process's place in the drafters' process group."""
 
-    def __init__(self, rank, world, device, timeout_s=120.0, store=None, address=None, port=None):
-        """Joins the group at `store` (a FileStore's path in a directory of the run's own, on
-        one node: nothing another user can reach) or at `address:port` (node 0's, with several
-        nodes)."""
+    def __init__(self, rank, world, device, timeout_s=120.0, store=None, address=None, port=None,
+                 key=None):
+        """Joins the group at `store`, a FileStore's path in a directory of the run's own (one
+        node: nothing another user can reach), or at `address:port`, node 0's rendezvous host,
+        through the store of `dflash_orch.authstore` that global rank 0 serves there to peers
+        holding `key` (several nodes)."""
         import torch.distributed as dist
 
         if not 0 <= rank < world:
@@ -32,18 +35,27 @@ class Group:
         self.rank, self.world = int(rank), int(world)
         self.device = device
         self.backend = "nccl" if device.type == "cuda" else "gloo"
+        self.server = None
         timeout = datetime.timedelta(seconds=float(timeout_s))
         if store is not None:
-            dist.init_process_group(self.backend, store=dist.FileStore(str(store), self.world),
-                                    rank=self.rank, world_size=self.world, timeout=timeout)
+            rendezvous = dist.FileStore(str(store), self.world)
+        elif address is not None and key is not None:
+            from .authstore import AuthStore, StoreServer
+
+            if self.rank == 0:
+                self.server = StoreServer(str(address), int(port), key)
+            rendezvous = AuthStore(str(address), int(port), key, float(timeout_s))
         else:
-            dist.init_process_group(
-                self.backend, init_method=f"tcp://{address}:{int(port)}", rank=self.rank,
-                world_size=self.world, timeout=timeout)
+            raise ValueError("the drafters' group needs a store path, or an address with the "
+                             "run's key")
+        dist.init_process_group(self.backend, store=rendezvous, rank=self.rank,
+                                world_size=self.world, timeout=timeout)
 
     def close(self):
         if self.dist.is_initialized():
             self.dist.destroy_process_group()
+        if self.server is not None:
+            self.server.close()
 
     def sum_in_rank_order(self, flat):
         """The sum over the ranks of each rank's 1-D `flat` (same length on every rank), added in

@@ -99,10 +99,13 @@ class Server:
                 where = (group["store"] if group.get("store") is not None
                          else f"{group.get('address')}:{group.get('port')}")
                 try:
+                    from .authstore import key_from_env
+
                     self.drafter.group = Group(
                         int(group["rank"]), int(group["world"]), self.drafter.device,
                         float(group.get("timeout_s") or 120.0), store=group.get("store"),
-                        address=group.get("address"), port=group.get("port"))
+                        address=group.get("address"), port=group.get("port"),
+                        key=key_from_env())
                 except Exception as e:  # a port taken meanwhile, a peer that never came
                     raise Refused(f"{RENDEZVOUS_FAILED} at {where} "
                                   f"(rank {group['rank']} of {group['world']}): "

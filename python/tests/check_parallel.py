@@ -59,7 +59,7 @@ def main():
     ap.add_argument("files", nargs="*")
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--rank", type=int, default=0)
-    ap.add_argument("--port", type=int)
+    ap.add_argument("--store", help="the group's FileStore (a path every rank is given)")
     ap.add_argument("--out")
     a = ap.parse_args()
     torch.set_num_threads(1)
@@ -77,8 +77,7 @@ def main():
     if a.mode == "rank":
         from dflash_orch.parallel import Group
 
-        d.group = Group(a.rank, a.world, torch.device("cpu"), timeout_s=60, address="127.0.0.1",
-                        port=a.port)
+        d.group = Group(a.rank, a.world, torch.device("cpu"), timeout_s=60, store=a.store)
     for step in range(2):
         positions = range(a.rank, accum, a.world) if a.mode == "rank" else range(accum)
         for p in positions:

@@ -339,6 +339,48 @@ fn the_dry_run_plans_the_torch_workers() {
     );
 }
 
+/// The GPU check's launcher (`scripts/gpu-check --cpu`, its drafter step: the candle bench and
+/// `dflash_orch.bench_step` in a Python child), run from a directory where another user planted
+/// modules that `PYTHONPATH` names too: the check passes and none of them runs, in the check's
+/// own Python or in its children.
+#[test]
+fn the_gpu_checks_pythons_import_nothing_planted() {
+    let dir = tempfile::tempdir().unwrap();
+    let planted = Planted::new(dir.path());
+    let mut command = Command::new(script("gpu-check"));
+    planted.run_from(&mut command);
+    let out = command
+        .env("PYTHON", test_python())
+        .args(["--cpu", "--work"])
+        .arg(dir.path().join("work"))
+        .args(["--seeds-steps", "1"])
+        .args(
+            [
+                "environment",
+                "nvml",
+                "serve",
+                "crash_resume",
+                "pytorch",
+                "torch_dflash",
+                "torch_crash_resume",
+            ]
+            .iter()
+            .flat_map(|s| ["--skip", s]),
+        )
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    planted.assert_none_ran("scripts/gpu-check");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let summary: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(summary["steps"]["drafter_step"]["ok"], true, "{summary}");
+    assert!(
+        stderr.contains("PYTHONPATH entry") && stderr.contains("left out"),
+        "the unsafe entries are named: {stderr}"
+    );
+}
+
 /// The drafter-step bench the GPU check runs at the seeds' shape answers on both engines for one
 /// request (`dflash-worker --drafter-bench`, `python -m dflash_orch.bench_step`): the same
 /// workload, timed steps, finite losses; a bad request is refused by both, naming the field.
@@ -407,6 +449,37 @@ fn both_engines_answer_the_drafter_step_bench() {
     }
 }
 
+/// The drafters' store across nodes (`python/dflash_orch/authstore.py`): two ranks form a gloo
+/// group through it and sum a tensor while it is attacked: a peer with another key, junk bytes, a
+/// hundred silent connections, a replayed authentic frame, a repeated one and a truncated one are
+/// each refused and dropped, and the ranks carry on.
+#[test]
+fn the_drafters_store_across_nodes_serves_only_holders_of_the_key() {
+    let out = Command::new(test_python())
+        .arg(workspace_root().join("python/tests/check_authstore.py"))
+        .env("PYTHONPATH", workspace_root().join("python"))
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let findings: Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    assert_eq!(
+        findings["sums"],
+        serde_json::json!([3.0, 3.0]),
+        "{findings}"
+    );
+    for attack in ["another key", "junk", "replayed frame", "repeated frame"] {
+        assert!(
+            findings[attack].as_str().unwrap().starts_with("refused"),
+            "{attack}: {findings}"
+        );
+    }
+}
+
 /// Data-parallel torch drafters (`python/dflash_orch/parallel.py`): two and three ranks of a gloo
 /// process group each train their micro-batches of a step's group and sum their gradients in rank
 /// order; after two steps every rank holds the same weights to the bit, a second run gives the
@@ -423,12 +496,7 @@ fn data_parallel_torch_drafters_sum_their_gradients_in_rank_order() {
             .unwrap()
     };
     let group = |world: usize, name: &str| -> Vec<PathBuf> {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port()
-            .to_string();
+        let store = dir.path().join(format!("{name}.store"));
         let outs: Vec<PathBuf> = (0..world)
             .map(|r| dir.path().join(format!("{name}-{r}.safetensors")))
             .collect();
@@ -443,7 +511,9 @@ fn data_parallel_torch_drafters_sum_their_gradients_in_rank_order() {
                         "--rank",
                         &r.to_string(),
                     ])
-                    .args(["--port", &port, "--out"])
+                    .arg("--store")
+                    .arg(&store)
+                    .arg("--out")
                     .arg(&outs[r])
                     .stderr(Stdio::piped())
                     .spawn()
