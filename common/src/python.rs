@@ -29,6 +29,24 @@ pub fn guarded(code: &str) -> String {
     format!("import sys\nsys.path[:] = [p for p in sys.path if p.startswith('/')]\n{code}")
 }
 
+/// `program` as a path to run: itself when it names a path (holds a `/`), else the first
+/// executable of that name in an absolute `PATH` folder. A relative or empty `PATH` entry (the
+/// working directory) is never searched, so a `python3` another user left there is never run.
+/// None when there is none.
+pub fn find_program(program: &Path) -> Option<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    if program.as_os_str().as_encoded_bytes().contains(&b'/') {
+        return Some(program.to_path_buf());
+    }
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .filter(|dir| dir.is_absolute())
+        .map(|dir| dir.join(program))
+        .find(|p| {
+            std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        })
+}
+
 /// A `PYTHONPATH` entry left out, and why.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Dropped {
@@ -257,5 +275,17 @@ mod tests {
         assert_eq!(args[0], "-c");
         assert_eq!(args[2], "dflash_orch.serve");
         assert_eq!(command.get_current_dir(), Some(Path::new("/")));
+    }
+
+    #[test]
+    fn programs_are_found_on_absolute_path_folders_only() {
+        assert_eq!(
+            find_program(Path::new("./x/python3")),
+            Some(PathBuf::from("./x/python3"))
+        );
+        // `sh` is on PATH everywhere these tests run; a name nowhere is not found.
+        let sh = find_program(Path::new("sh")).unwrap();
+        assert!(sh.is_absolute(), "{}", sh.display());
+        assert_eq!(find_program(Path::new("dflash-no-such-program")), None);
     }
 }

@@ -54,6 +54,11 @@ impl Planted {
                 script.push_str(&format!("cat > {name}.py <<'EOF'\n{body}EOF\n"));
             }
         }
+        // And an interpreter, for a PATH that names the working directory.
+        script.push_str(&format!(
+            "printf '#!/bin/sh\\ntouch {dir}/ran-python3\\nexit 1\\n' > python3\nchmod 755 python3\n",
+            dir = dir.display()
+        ));
         let mut sh = Command::new("sh");
         sh.arg("-c").arg(script).current_dir(&dir);
         if is_root() {

@@ -285,6 +285,30 @@ fn the_dry_run_plans_the_torch_workers() {
         serde_json::from_slice(&out.stdout).unwrap()
     };
     let torch = plan("torch");
+    // With no --python, python3 is looked up in PATH's absolute folders only: the one planted in
+    // the working directory, which PATH names first, never runs.
+    let python_dir = test_python().parent().unwrap().to_path_buf();
+    let path = std::env::join_paths([Path::new("."), Path::new(""), &python_dir]).unwrap();
+    let mut c = Command::new(bin("dflash-orch"));
+    let out = planted
+        .run_from(&mut c)
+        .args(["launch", "--dry-run", "--json", "--engine", "torch"])
+        .args(RUN_FLAGS)
+        .args(CPU_WORKERS)
+        .arg("--target-model")
+        .arg(&target)
+        .arg("--run-dir")
+        .arg(dir.path().join("run"))
+        .env("PATH", path)
+        .env_remove("DFLASH_PYTHON")
+        .output()
+        .unwrap();
+    planted.assert_none_ran("launch --dry-run with PATH naming the working directory");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let p = &torch["plan"];
     assert_eq!(
         (&p["target"]["engine"], &p["drafter"]["engine"]),

@@ -19,12 +19,18 @@ pub const MIN_TRANSFORMERS: (u32, u32) = (5, 15);
 /// How long the pre-flight's Python may take (importing torch from a cold disk is slow).
 const PREFLIGHT_TIMEOUT: Duration = Duration::from_secs(180);
 
-/// The interpreter: `--python`, else `DFLASH_PYTHON`, else `python3` on PATH.
+/// The interpreter: `--python`, else `DFLASH_PYTHON`, else `python3` on PATH; a bare name is
+/// looked up in PATH's absolute folders only (never the working directory), and made absolute.
 pub fn python(given: Option<&Path>) -> PathBuf {
-    given
+    let named = given
         .map(Path::to_path_buf)
         .or_else(|| std::env::var_os("DFLASH_PYTHON").map(PathBuf::from))
-        .unwrap_or_else(|| PathBuf::from("python3"))
+        .unwrap_or_else(|| PathBuf::from("python3"));
+    match dflash_common::python::find_program(&named) {
+        Some(found) => std::path::absolute(&found).unwrap_or(found),
+        // Not found: the bare name stays, and the pre-flight says so (it is never run as is).
+        None => named,
+    }
 }
 
 /// The tree's `python/` directory holding `dflash_orch`, found beside this binary: in a cargo
@@ -136,6 +142,17 @@ pub fn major_minor(version: &str) -> Option<(u32, u32)> {
 /// Runs the pre-flight in `runtime`'s Python and reads its answer.
 pub fn probe(runtime: &TorchRuntime, model: Option<&Path>) -> Result<Preflight, String> {
     let py = runtime.python.display();
+    if !runtime
+        .python
+        .as_os_str()
+        .as_encoded_bytes()
+        .contains(&b'/')
+    {
+        return Err(format!(
+            "the torch engine needs Python >= {}.{}: {py} was not found in PATH's absolute folders (install Python, or point --python or DFLASH_PYTHON at one)",
+            MIN_PYTHON.0, MIN_PYTHON.1
+        ));
+    }
     // A working directory of its own: nothing the caller's directory holds is imported or read.
     let cwd = tempfile::Builder::new()
         .prefix("dflash-preflight-")

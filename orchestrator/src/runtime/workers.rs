@@ -154,6 +154,9 @@ fn cuda_library_candidates(site_packages: &[PathBuf]) -> Vec<PathBuf> {
 
 /// The site-packages folders of `python` (none when it does not run).
 fn site_packages(python: &Path) -> Vec<PathBuf> {
+    if !python.is_absolute() {
+        return Vec::new(); // not found on PATH (see torch_engine::python)
+    }
     let mut command = Command::new(python);
     command.arg("-c").arg(dflash_common::python::guarded(
         "import site\nprint('\\n'.join(site.getsitepackages() + [site.getusersitepackages()]))",
