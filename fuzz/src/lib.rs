@@ -715,6 +715,7 @@ pub fn decoding(data: &[u8]) {
             write(&paths.partial, partial);
             let settings = output::Settings {
                 producer: "target".into(),
+                engine: Some("candle".into()),
                 target_model: None,
                 server: None,
                 server_model: None,

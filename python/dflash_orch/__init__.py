@@ -10,5 +10,6 @@ a ring header). See `serve.py` for the protocol.
 __version__ = "0.1.0"
 
 # The version of the pipe protocol between dflash-worker and `dflash_orch.serve`: both are built
-# from one tree, but a stale installed package is refused rather than misread.
-PROTOCOL = 1
+# from one tree, but a stale installed package is refused rather than misread. 2: every request
+# carries an id that its answer names.
+PROTOCOL = 2

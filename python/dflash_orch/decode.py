@@ -12,12 +12,16 @@ decoder, with the same request on stdin and the same answers on stdout.
   prompts, each answered by a `GenerateDone` line. Greedy, or sampling at a temperature, each row
   from a generator seeded by (seed, row): a row's output does not depend on its batch. (The
   engines' random streams differ: sampled data from the two engines is not the same tokens.)
+
+Whatever fails ends this process with exit 1, its reason the last line of stderr (`error: TYPE:
+MESSAGE`), which the worker quotes in its error.
 """
 
 import json
 import os
 import sys
 import time
+import traceback
 
 import torch
 
@@ -202,8 +206,14 @@ def main():
     sys.stdout = os.fdopen(1, "w", buffering=1)
     try:
         (run_eval if sys.argv[1] == "eval" else run_generate)(sys.stdin, answers)
-    except (ValueError, RuntimeError, OSError, KeyError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ValueError, OSError, KeyError) as e:
+        # A bad input (a checkpoint, a request): the reason alone, the last line of the log,
+        # which the worker's error quotes.
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        sys.exit(1)
+    except Exception as e:  # the library's own errors (torch, safetensors) come in many types
+        traceback.print_exc(file=sys.stderr)
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         sys.exit(1)
 
 

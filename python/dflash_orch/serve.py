@@ -5,10 +5,16 @@ per line from its stdout; everything else this process or its libraries print go
 worker's log). The worker owns the rings: it tells this process which file to map and which byte
 range of it to fill, and publishes the slot itself once the answer says the bytes are there.
 
-Requests:
-- `{"op": "init", "protocol": 1, "role": "target", "model": DIR, "layer_ids": [k, ...],
+Every request carries `"id": n` (a count from 1) and its answer carries the same `"id"` (null when
+the request could not be read far enough to find one). The worker reads one answer per request,
+in order, and treats anything else as a protocol fault: it kills this process and says why. An
+answer line that is not UTF-8 JSON, is longer than 4 MiB, or names another id is one. Protocol
+2 added the ids; a worker and a package of different protocols refuse each other at `init`.
+
+Requests (the answers' `"ok": true` and `"id"` not repeated below):
+- `{"op": "init", "protocol": 2, "role": "target", "model": DIR, "layer_ids": [k, ...],
   "final": bool, "dtype": "f32"|"bf16", "feature_dtype": "f32"|"bf16", "token_budget": N,
-  "ring": PATH, "threads": N}` -> `{"ok": true, "protocol": 1, "vocab": V, "layers": L,
+  "ring": PATH, "threads": N}` -> `{"ok": true, "protocol": 2, "vocab": V, "layers": L,
   "hidden": H, "attention": "sdpa", "device": "cpu"|"cuda:0", "torch": VERSION,
   "transformers": VERSION}`. The features are the hidden states `k + 1` of `layer_ids`, then, with
   `final`, the last hidden state (after the final norm, index `L`) that distillation reads.
@@ -32,8 +38,8 @@ Requests:
 - `{"op": "check_replicas"}` -> data-parallel drafters (every rank at once): `{}` when every
   rank's weights have rank 0's checksums, else an error naming the first tensor that differs.
 
-A request that cannot be done answers `{"ok": false, "error": "..."}` and the child goes on; a
-request it cannot read ends it (exit 2). End of input ends it (exit 0).
+A request that cannot be done answers `{"ok": false, "error": "...", "id": n}` and the child goes
+on; a request it cannot read ends it (exit 2). End of input ends it (exit 0).
 """
 
 import json
@@ -210,32 +216,41 @@ class Server:
         return {}
 
 
+def answer(server, req):
+    """The answer to one request, naming its id: the op's fields with `"ok": true`, or
+    `"ok": false` and the error."""
+    try:
+        op = req["op"]
+        if op == "init":
+            reply = server.init(req)
+        elif op in ("forward", "train", "step", "snapshot", "check_replicas"):
+            reply = getattr(server, op)(req)
+        else:
+            raise Refused(f"unknown op {op!r}")
+        reply["ok"] = True
+    except Refused as e:
+        reply = {"ok": False, "error": str(e)}
+    except Exception as e:
+        traceback.print_exc(file=sys.stderr)
+        reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    reply["id"] = req.get("id")
+    return reply
+
+
 def main():
     answers = _answer_channel()
     server = Server()
-    for line in sys.stdin:
+    for line in sys.stdin.buffer:
         if not line.strip():
             continue
         try:
-            req = json.loads(line)
-            op = req["op"]
-        except (ValueError, KeyError, TypeError) as e:
+            req = json.loads(line.decode("utf-8"))
+            if not isinstance(req, dict) or "op" not in req:
+                raise ValueError("not an object with an op")
+        except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
             print(f"dflash_orch.serve: unreadable request ({e}): {line[:200]!r}", file=sys.stderr)
             sys.exit(2)
-        try:
-            if op == "init":
-                reply = server.init(req)
-            elif op in ("forward", "train", "step", "snapshot", "check_replicas"):
-                reply = getattr(server, op)(req)
-            else:
-                raise Refused(f"unknown op {op!r}")
-            reply["ok"] = True
-        except Refused as e:
-            reply = {"ok": False, "error": str(e)}
-        except Exception as e:
-            traceback.print_exc(file=sys.stderr)
-            reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-        answers.write(json.dumps(reply) + "\n")
+        answers.write(json.dumps(answer(server, req)) + "\n")
         answers.flush()
 
 

@@ -341,7 +341,7 @@ fn require(
 }
 
 /// The pipe protocol this build speaks with `dflash_orch.serve` (the worker's `torch::PROTOCOL`).
-pub const PROTOCOL: u64 = 1;
+pub const PROTOCOL: u64 = 2;
 
 /// Probes and judges in one: the report, or why the engine cannot run.
 /// With `model`, transformers must also know its architecture as a causal LM (its config is read;

@@ -9,7 +9,7 @@
 //! prompt; [`summarize`] turns those lines into τ, the histogram, the speedup and the lossless
 //! check.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -25,6 +25,9 @@ use crate::error::CliError;
 use crate::ingest::chat::{ChatEncoder, Template, load_tokenizer, parse_conversation};
 use crate::ingest::jsonl::parse_pretokenized;
 use crate::options::DtypeChoice;
+use worker_output::{Line, LogTail, last_words, max_line, read_line};
+
+pub mod worker_output;
 
 const AFTER_HELP: &str = "\
 τ (tau) is the acceptance length as z-lab's DFlash benchmark defines it: for each prompt, the mean \
@@ -421,20 +424,25 @@ pub struct Watch<'a> {
     pub stop: &'a AtomicBool,
 }
 
-/// What the eval worker's reader threads report.
+/// What the eval worker's reader thread reports.
 enum Heard {
     Line(String),
     Closed,
+    /// A line that is no answer (too long, not UTF-8, cut off).
+    Bad(String),
 }
-
-/// The most of a worker's stderr kept for its error message.
-const STDERR_KEPT: usize = 16 * 1024;
 
 /// Runs `dflash-worker --eval` on `request` (on `gpu`, else the CPU with `threads` compute
 /// threads, or as many as it has) and collects its lines; `progress` sees each. The request
 /// travels on the worker's stdin, so no request file exists for anyone to read or replace. A
 /// worker that gives no result within `watch.deadline` is killed and the evaluation fails with
-/// the reason; `watch.stop` kills it at once.
+/// the reason; `watch.stop` kills it at once. A failed worker's error quotes its last words and
+/// the lines of its log before them.
+///
+/// On the torch engine the worker (and its Python child) get a private temporary directory of
+/// their own (`TMPDIR`, mode 0700, an unguessable name), removed here however the worker ends:
+/// the untrained drafter of `--init-seed` is written there, and a worker killed at its deadline
+/// cannot remove it itself.
 pub fn run_worker(
     request: &EvalRequest,
     gpu: Option<u32>,
@@ -444,6 +452,13 @@ pub fn run_worker(
 ) -> Result<Vec<PromptResult>, CliError> {
     let mut line = serde_json::to_string(request).map_err(|e| CliError::Failed(e.to_string()))?;
     line.push('\n');
+    let scratch = match request.torch {
+        Some(_) => Some(
+            PrivateDir::new()
+                .map_err(|e| CliError::io("cannot make a temporary directory for the worker", e))?,
+        ),
+        None => None,
+    };
     let binary = crate::runtime::workers::worker_binary();
     let mut command = Command::new(&binary);
     crate::runtime::workers::device_env(
@@ -456,6 +471,9 @@ pub fn run_worker(
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
+    if let Some(dir) = &scratch {
+        command.env("TMPDIR", &dir.0);
+    }
     if let Some(n) = threads {
         command.env("RAYON_NUM_THREADS", n.max(1).to_string());
     }
@@ -471,32 +489,25 @@ pub fn run_worker(
         // that never reads it cannot block this one. Closed when done.
         let _ = stdin.write_all(line.as_bytes());
     });
-    let mut stderr = child.stderr.take().expect("piped");
-    let errors = std::thread::spawn(move || {
-        // Its last words, bounded: a worker that prints without end costs no memory.
-        let mut kept: Vec<u8> = Vec::new();
-        let mut buf = [0u8; 8192];
-        while let Ok(n) = stderr.read(&mut buf) {
-            if n == 0 {
-                break;
-            }
-            kept.extend_from_slice(&buf[..n]);
-            if kept.len() > 2 * STDERR_KEPT {
-                kept.drain(..kept.len() - STDERR_KEPT);
-            }
-        }
-        String::from_utf8_lossy(&kept).into_owned()
-    });
+    // Its log, bounded: a worker that prints without end costs no memory.
+    let log = LogTail::default();
+    let log_ended = log.follow(child.stderr.take().expect("piped"));
     let (tx, rx) = mpsc::channel();
-    let stdout = BufReader::new(child.stdout.take().expect("piped"));
+    let mut stdout = BufReader::new(child.stdout.take().expect("piped"));
+    // A result holds the speculative and the baseline output and a count per verify step.
+    let max = max_line(request.max_new_tokens.saturating_mul(3));
     std::thread::spawn(move || {
-        for line in stdout.lines() {
-            let Ok(line) = line else { break };
-            if tx.send(Heard::Line(line)).is_err() {
+        loop {
+            let heard = match read_line(&mut stdout, max) {
+                Line::Text(line) => Heard::Line(line),
+                Line::Closed => Heard::Closed,
+                Line::Bad(why) => Heard::Bad(why),
+            };
+            let last = !matches!(heard, Heard::Line(_));
+            if tx.send(heard).is_err() || last {
                 return;
             }
         }
-        let _ = tx.send(Heard::Closed);
     });
     let mut results = Vec::with_capacity(request.prompts.len());
     let mut since = Instant::now();
@@ -505,31 +516,35 @@ pub fn run_worker(
         let _ = child.wait();
         worker.0 = None;
     };
+    // A fault in what the worker printed: it is killed, and the error quotes its log.
+    let fault = |child: &mut std::process::Child, worker: &mut KillOnDrop, why: String| {
+        stop_child(child, worker);
+        let (_, before) = last_words(&log.text());
+        CliError::Failed(format!("the eval worker {why}{before}"))
+    };
     loop {
         match rx.recv_timeout(Duration::from_millis(50)) {
             Ok(Heard::Line(line)) => {
                 let result: PromptResult = match serde_json::from_str(&line) {
                     Ok(r) => r,
                     Err(e) => {
-                        stop_child(&mut child, &mut worker);
-                        return Err(CliError::Failed(format!(
-                            "the eval worker printed {:?}: {e}",
-                            crate::format::clip(&line, 200)
-                        )));
+                        let why = format!("printed {:?}: {e}", crate::format::clip(&line, 200));
+                        return Err(fault(&mut child, &mut worker, why));
                     }
                 };
                 if result.prompt != results.len() {
-                    stop_child(&mut child, &mut worker);
-                    return Err(CliError::Failed(format!(
-                        "the eval worker answered prompt {} where {} was due",
+                    let why = format!(
+                        "answered prompt {} where {} was due",
                         result.prompt,
                         results.len()
-                    )));
+                    );
+                    return Err(fault(&mut child, &mut worker, why));
                 }
                 progress(&result);
                 results.push(result);
                 since = Instant::now();
             }
+            Ok(Heard::Bad(why)) => return Err(fault(&mut child, &mut worker, why)),
             Ok(Heard::Closed) | Err(mpsc::RecvTimeoutError::Disconnected) => break,
             Err(mpsc::RecvTimeoutError::Timeout) => {}
         }
@@ -556,21 +571,42 @@ pub fn run_worker(
         .map_err(|e| CliError::io("cannot wait for the eval worker", e))?;
     worker.0 = None;
     let _ = writer.join();
-    let errors = errors.join().unwrap_or_default();
-    if !status.success() || results.len() != request.prompts.len() {
-        let last = errors
-            .lines()
-            .rev()
-            .find(|l| !l.trim().is_empty())
-            .unwrap_or("")
-            .trim_start_matches("error: ");
+    let _ = log_ended.join();
+    let (reason, before) = last_words(&log.text());
+    if !status.success() {
         return Err(CliError::Failed(format!(
-            "the eval worker failed ({}): {}",
+            "the eval worker failed ({}): {reason}{before}",
             crate::runtime::workers::exit_reason(status),
-            crate::format::clip(last, 400)
+        )));
+    }
+    if results.len() != request.prompts.len() {
+        return Err(CliError::Failed(format!(
+            "the eval worker exited normally after {} of {} prompts, without the results it owed; its last words: {reason}{before}",
+            results.len(),
+            request.prompts.len()
         )));
     }
     Ok(results)
+}
+
+/// A fresh directory of mode 0700 with an unguessable name under the temporary directory
+/// (`mkdtemp`: a name another user made first, or a link, is never used), removed with all it
+/// holds when dropped.
+struct PrivateDir(PathBuf);
+
+impl PrivateDir {
+    fn new() -> std::io::Result<Self> {
+        let template = std::env::temp_dir().join("dflash-eval-XXXXXX");
+        nix::unistd::mkdtemp(&template)
+            .map(Self)
+            .map_err(std::io::Error::from)
+    }
+}
+
+impl Drop for PrivateDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 /// Kills the process of this pid when dropped (an early return, a panic), unless taken.

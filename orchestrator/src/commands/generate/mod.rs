@@ -388,6 +388,7 @@ pub fn run(args: GenerateArgs) -> Result<(), CliError> {
     };
     let settings = output::Settings {
         producer: if server.is_some() { "server" } else { "target" }.into(),
+        engine: server.is_none().then(|| engine.name().to_owned()),
         target_model: Some(args.target_model.display().to_string()),
         server: args.server.clone(),
         server_model: server.as_ref().map(|s| s.model.clone()),
@@ -527,6 +528,10 @@ pub fn run(args: GenerateArgs) -> Result<(), CliError> {
                 torch.as_ref().map(|t| t.python.clone()),
                 &devices,
                 Duration::from_secs_f64(args.job_timeout),
+                // A batch's rows of up to --max-new-tokens tokens each.
+                crate::commands::eval::worker_output::max_line(
+                    (batch as usize).saturating_mul(max_new.saturating_add(1)),
+                ),
             )
             .and_then(|mut pool| {
                 pool.run(
@@ -557,7 +562,8 @@ pub fn run(args: GenerateArgs) -> Result<(), CliError> {
     let replies_cut = replies_cut.load(std::sync::atomic::Ordering::SeqCst);
     let meta = serde_json::json!({
         "format": "dflash-generate",
-        "version": 2,
+        // 3: the settings name the engine.
+        "version": 3,
         "settings": settings,
         "rows": rows,
         // Server replies longer than --max-new-tokens once tokenised, cut to it (this run's
@@ -566,7 +572,7 @@ pub fn run(args: GenerateArgs) -> Result<(), CliError> {
         "produced_by": if args.server.is_some() {
             format!("server {} (model {})", args.server.as_deref().unwrap_or(""), settings.server_model.as_deref().unwrap_or(""))
         } else {
-            format!("target {} on {} ({})", args.target_model.display(), args.gpus_label(), dtype)
+            format!("target {} on {} ({}, the {} engine)", args.target_model.display(), args.gpus_label(), dtype, engine.name())
         },
     });
     writer

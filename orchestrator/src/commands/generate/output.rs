@@ -18,6 +18,11 @@ use serde::{Deserialize, Serialize};
 pub struct Settings {
     /// "target" (our workers) or "server" (an OpenAI-compatible server).
     pub producer: String,
+    /// The engine our workers decode on (`candle`, `torch`); none for a server. The engines'
+    /// rows differ: sampled rows draw from each engine's own random stream, and even greedy
+    /// rows are not provably equal (their arithmetic differs, and a near-tie between two tokens
+    /// can go either way), so an output is never continued on another engine.
+    pub engine: Option<String>,
     pub target_model: Option<String>,
     pub server: Option<String>,
     pub server_model: Option<String>,
@@ -51,8 +56,8 @@ pub struct Committed {
     pub bytes: u64,
 }
 
-/// 2: the settings identify the inputs, template, tokenizer and weights.
-const VERSION: u32 = 2;
+/// 2: the settings identify the inputs, template, tokenizer and weights. 3: and the engine.
+const VERSION: u32 = 3;
 
 fn with_suffix(path: &Path, suffix: &str) -> PathBuf {
     let mut name = path.as_os_str().to_owned();
@@ -114,9 +119,28 @@ pub fn starting_point(
         .map_err(|e| format!("{}: not a generate record: {e}", paths.record.display()))?;
     if committed.version != VERSION {
         return Err(format!(
-            "{}: record version {}, this build writes {VERSION}",
+            "{}: record version {}, this build writes {VERSION}: finish it with the dflash-orch \
+             that started it, or remove it and {} to start over",
             paths.record.display(),
-            committed.version
+            committed.version,
+            paths.partial.display()
+        ));
+    }
+    if let (Some(was), Some(now)) = (&committed.settings.engine, &settings.engine)
+        && was != now
+    {
+        return Err(format!(
+            "--resume: the rows of {} were generated on the {was} engine, and --engine {now} \
+             would continue them: {}, so one output never mixes the two; resume with --engine \
+             {was}, or remove it and {} to start over",
+            paths.partial.display(),
+            if settings.temperature > 0.0 {
+                "sampled rows depend on the engine (each draws from its own random stream)"
+            } else {
+                "even greedy rows are not provably the same on both (their arithmetic differs, \
+                 and a near-tie between two tokens can go either way)"
+            },
+            paths.record.display()
         ));
     }
     if committed.settings != *settings {
@@ -257,6 +281,7 @@ mod tests {
     fn settings(rows: u64) -> Settings {
         Settings {
             producer: "target".into(),
+            engine: Some("torch".into()),
             target_model: Some("t".into()),
             server: None,
             server_model: None,

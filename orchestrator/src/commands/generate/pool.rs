@@ -3,17 +3,24 @@
 //! that dies or overruns its job deadline is killed, its batch goes back to the front of the
 //! queue and it is restarted, within a restart budget; its batch is decoded again from the
 //! start, so the output does not depend on who decoded it.
+//!
+//! Not every failure is worth a restart. A worker that ends by itself with an error before any
+//! batch was answered failed to load the model or read its request (a truncated weights file, a
+//! bad checkpoint): a restart would fail the same way, so the command fails at once with its
+//! reason. A worker that answers out of turn (another batch, a line that is no answer) breaks
+//! the protocol, which fails the command too. Errors quote the worker's last lines.
 
 use std::collections::{BTreeMap, VecDeque};
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufReader, Write};
 use std::path::PathBuf;
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use dflash_common::eval::{GenerateDone, GenerateJob};
 
+use crate::commands::eval::worker_output::{Line, LogTail, last_words, read_line};
 use crate::runtime::spec::Device;
 use crate::runtime::workers::{available_cpus, bind_to_parent, cpus_for, exit_reason};
 
@@ -22,7 +29,8 @@ pub const RESTARTS: u32 = 3;
 
 enum Message {
     Done(usize, u64, GenerateDone),
-    Gone(usize, u64, String),
+    /// Its output ended (None), or held a line that is no answer (why).
+    Gone(usize, u64, Option<String>),
 }
 
 struct Slot {
@@ -30,9 +38,13 @@ struct Slot {
     cpus: Vec<usize>,
     child: Option<Child>,
     stdin: Option<ChildStdin>,
+    /// The last bytes of its log, and the thread reading it.
+    log: LogTail,
+    log_reader: Option<std::thread::JoinHandle<()>>,
     incarnation: u64,
     restarts: u32,
-    job: Option<(u64, Instant)>,
+    /// The batch it decodes, its rows, and since when.
+    job: Option<(u64, usize, Instant)>,
 }
 
 /// The workers and the batches they owe.
@@ -46,16 +58,22 @@ pub struct Pool {
     tx: mpsc::Sender<Message>,
     rx: mpsc::Receiver<Message>,
     job_timeout: Duration,
+    /// The longest answer line a worker may print (see [`crate::commands::eval::worker_output`]).
+    max_line: usize,
+    /// Whether any worker has answered a batch: the model loads.
+    answered: bool,
 }
 
 impl Pool {
-    /// Starts one worker per device, loading the model of `request` (one JSON line).
+    /// Starts one worker per device, loading the model of `request` (one JSON line); an answer
+    /// line longer than `max_line` bytes is a fault.
     pub fn start(
         binary: PathBuf,
         request: String,
         python: Option<PathBuf>,
         devices: &[Device],
         job_timeout: Duration,
+        max_line: usize,
     ) -> Result<Self, String> {
         let available = available_cpus();
         let (tx, rx) = mpsc::channel();
@@ -71,6 +89,8 @@ impl Pool {
                     cpus: cpus_for(i, devices.len(), &available),
                     child: None,
                     stdin: None,
+                    log: LogTail::default(),
+                    log_reader: None,
                     incarnation: 0,
                     restarts: 0,
                     job: None,
@@ -79,6 +99,8 @@ impl Pool {
             tx,
             rx,
             job_timeout,
+            max_line,
+            answered: false,
         };
         for i in 0..pool.slots.len() {
             pool.spawn(i)?;
@@ -113,11 +135,14 @@ impl Pool {
             .spawn()
             .map_err(|e| format!("cannot start {}: {e}", self.binary.display()))?;
         let stdout = child.stdout.take().expect("piped");
-        let mut stderr = child.stderr.take().expect("piped");
+        let stderr = child.stderr.take().expect("piped");
         slot.stdin = child.stdin.take();
         slot.child = Some(child);
+        // Its log, bounded, for the error message when it fails.
+        slot.log = LogTail::default();
+        slot.log_reader = Some(slot.log.follow(stderr));
         // The request first: no request file exists for anyone to read or replace. A worker dead
-        // already is seen by its reader threads.
+        // already is seen by its reader thread.
         if let Some(stdin) = slot.stdin.as_mut()
             && writeln!(stdin, "{}", self.request)
                 .and_then(|()| stdin.flush())
@@ -125,51 +150,64 @@ impl Pool {
         {
             slot.stdin = None;
         }
-        let (tx, incarnation) = (self.tx.clone(), slot.incarnation);
+        let (tx, incarnation, max) = (self.tx.clone(), slot.incarnation, self.max_line);
         std::thread::spawn(move || {
-            // Its last words, for the error message when it dies.
-            let mut text = String::new();
-            let _ = stderr.read_to_string(&mut text);
-            let last = text
-                .lines()
-                .rev()
-                .find(|l| !l.trim().is_empty())
-                .unwrap_or("")
-                .trim_start_matches("error: ")
-                .to_owned();
-            let _ = tx.send(Message::Gone(i, incarnation, last));
-        });
-        let tx = self.tx.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                match serde_json::from_str::<GenerateDone>(&line) {
-                    Ok(done) => {
-                        if tx.send(Message::Done(i, incarnation, done)).is_err() {
-                            break;
-                        }
-                    }
-                    Err(e) => {
-                        let _ = tx.send(Message::Gone(
+            let mut stdout = BufReader::new(stdout);
+            loop {
+                let message = match read_line(&mut stdout, max) {
+                    Line::Text(line) => match serde_json::from_str::<GenerateDone>(&line) {
+                        Ok(done) => Message::Done(i, incarnation, done),
+                        Err(e) => Message::Gone(
                             i,
                             incarnation,
-                            format!("printed {line:?}: {e}"),
-                        ));
-                        break;
-                    }
+                            Some(format!(
+                                "printed {:?}: {e}",
+                                crate::format::clip(&line, 200)
+                            )),
+                        ),
+                    },
+                    Line::Closed => Message::Gone(i, incarnation, None),
+                    Line::Bad(why) => Message::Gone(i, incarnation, Some(why)),
+                };
+                let last = !matches!(message, Message::Done(..));
+                if tx.send(message).is_err() || last {
+                    return;
                 }
             }
         });
         Ok(())
     }
 
-    fn kill(&mut self, i: usize) -> Option<String> {
+    /// Kills worker `i` and reaps it: its exit status, or None when it was gone already.
+    fn kill(&mut self, i: usize) -> Option<ExitStatus> {
         let slot = &mut self.slots[i];
         slot.stdin = None;
-        let child = slot.child.take()?;
-        let mut child = child;
+        let mut child = slot.child.take()?;
         let _ = child.kill();
-        child.wait().ok().map(exit_reason)
+        child.wait().ok()
+    }
+
+    /// Worker `i`'s reason (its last words) and the lines of its log before it, once its log
+    /// has ended (or two seconds have passed: a child of its own may hold it open).
+    fn last_words(&mut self, i: usize) -> (String, String) {
+        let slot = &mut self.slots[i];
+        if let Some(reader) = slot.log_reader.take() {
+            let since = Instant::now();
+            while !reader.is_finished() && since.elapsed() < Duration::from_secs(2) {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+        last_words(&slot.log.text())
+    }
+
+    /// A worker broke the protocol: it is killed and the command fails with `why` and its log.
+    fn fault(&mut self, i: usize, why: &str) -> String {
+        self.kill(i);
+        let (_, before) = self.last_words(i);
+        format!(
+            "generate worker {i} ({}) {why}{before}",
+            self.slots[i].device
+        )
     }
 
     /// Decodes every batch of `queue` (`job(batch)` builds its job), handing each finished one
@@ -197,9 +235,10 @@ impl Pool {
                 let Some(batch) = queue.pop_front() else {
                     break;
                 };
-                let line = serde_json::to_string(&job(batch)).map_err(|e| e.to_string())?;
+                let job = job(batch);
+                let line = serde_json::to_string(&job).map_err(|e| e.to_string())?;
                 let slot = &mut self.slots[i];
-                slot.job = Some((batch, Instant::now()));
+                slot.job = Some((batch, job.prompts.len(), Instant::now()));
                 let stdin = slot.stdin.as_mut().expect("checked");
                 if writeln!(stdin, "{line}")
                     .and_then(|()| stdin.flush())
@@ -210,8 +249,9 @@ impl Pool {
                 }
             }
             for i in 0..self.slots.len() {
-                if let Some((batch, since)) = self.slots[i].job
+                if let Some((batch, _, since)) = self.slots[i].job
                     && since.elapsed() > self.job_timeout
+                    && self.slots[i].child.is_some()
                 {
                     tracing::warn!(
                         "generate worker {i} overran its job deadline ({:?}) on batch {batch}: killing it",
@@ -222,30 +262,77 @@ impl Pool {
             }
             match self.rx.recv_timeout(Duration::from_millis(100)) {
                 Ok(Message::Done(i, inc, done)) => {
-                    let slot = &mut self.slots[i];
-                    if inc == slot.incarnation && slot.job.map(|j| j.0) == Some(done.batch) {
-                        slot.job = None;
-                        finished.insert(done.batch, done.outputs);
-                    }
-                }
-                Ok(Message::Gone(i, inc, last)) => {
                     if inc != self.slots[i].incarnation {
                         continue;
                     }
-                    let status = self.kill(i).unwrap_or_else(|| "was stopped".into());
+                    match self.slots[i].job {
+                        Some((batch, rows, _))
+                            if batch == done.batch && rows == done.outputs.len() =>
+                        {
+                            self.slots[i].job = None;
+                            self.answered = true;
+                            finished.insert(done.batch, done.outputs);
+                        }
+                        Some((batch, rows, _)) if batch == done.batch => {
+                            return Err(self.fault(
+                                i,
+                                &format!(
+                                    "answered batch {batch} with {} outputs for its {rows} rows",
+                                    done.outputs.len()
+                                ),
+                            ));
+                        }
+                        Some((batch, ..)) => {
+                            return Err(self.fault(
+                                i,
+                                &format!("answered batch {} where {batch} was due", done.batch),
+                            ));
+                        }
+                        None => {
+                            return Err(self.fault(
+                                i,
+                                &format!("answered batch {} when none was due", done.batch),
+                            ));
+                        }
+                    }
+                }
+                Ok(Message::Gone(i, inc, bad)) => {
+                    if inc != self.slots[i].incarnation {
+                        continue;
+                    }
+                    if let Some(why) = bad {
+                        return Err(self.fault(i, &why));
+                    }
+                    // None: this process killed it already (past its job deadline).
+                    let status = self.kill(i);
+                    let (reason, before) = self.last_words(i);
+                    let how = status.map_or_else(|| "was stopped".to_owned(), exit_reason);
                     let slot = &mut self.slots[i];
-                    if let Some((batch, _)) = slot.job.take() {
-                        queue.push_front(batch);
+                    let owed = match slot.job.take() {
+                        Some((batch, ..)) => {
+                            queue.push_front(batch);
+                            format!(" owing batch {batch}")
+                        }
+                        None => String::new(),
+                    };
+                    // Ended by itself (an exit code, not a signal), before any batch was
+                    // answered: the model or the request cannot be loaded, and would not be on
+                    // a restart either.
+                    if !self.answered && status.is_some_and(|s| s.code().is_some()) {
+                        return Err(format!(
+                            "generate worker {i} ({}) {how}{owed} before any batch was done (not restarted: it would fail the same way): {reason}{before}",
+                            slot.device
+                        ));
                     }
                     slot.restarts += 1;
                     if slot.restarts > RESTARTS {
                         return Err(format!(
-                            "generate worker {i} ({}) failed {} times; last: {status}: {last}",
+                            "generate worker {i} ({}) failed {} times; last: {how}{owed}: {reason}{before}",
                             slot.device, slot.restarts
                         ));
                     }
                     tracing::warn!(
-                        "generate worker {i} ({}) {status}: {last}; restarting it",
+                        "generate worker {i} ({}) {how}{owed}: {reason}; restarting it",
                         slot.device
                     );
                     self.spawn(i)?;
