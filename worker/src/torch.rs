@@ -1,7 +1,7 @@
 //! The torch engine's side of a worker: this process keeps the loop, the heartbeats, the rings
-//! and the descriptors; a Python child (`dflash_orch.serve`, see [`dflash_common::python`]) computes. One JSON request
-//! per line goes to its stdin and one answer per line comes back on its stdout; its stderr is the
-//! worker's log. Every request carries an `id` (a count from 1) and its answer names it.
+//! and the descriptors; a Python child (`dflash_orch.serve`, started as
+//! [`dflash_common::python`] says) computes. One JSON request per line goes to its stdin and one
+//! answer per line comes back on its stdout; its stderr is the worker's log. Every request carries an `id` (a count from 1) and its answer names it.
 //!
 //! The child never reads a ring header: for each batch this side tells it which byte range of the
 //! mapped feature ring to fill (computed here from the ring's layout), and publishes the slot
