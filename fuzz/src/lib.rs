@@ -244,11 +244,41 @@ pub fn journal(data: &[u8]) {
     let _ = journal::read(&path);
 }
 
-/// One control-socket request line. The same bytes as the nodes' link (every message line until
-/// the end or an error, a hello compared with one of node 0), as a `--rendezvous` value and as a
-/// Slurm node list.
+/// One control-socket request line. The same bytes as the nodes' link (see [`link`]), as a
+/// `--rendezvous` value and as a Slurm node list.
 pub fn control(data: &[u8]) {
     let _ = parse_request(data);
+    link(data);
+    if let Ok(text) = std::str::from_utf8(data) {
+        let _ = nodes::parse_rendezvous(text);
+        let _ = nodes::first_slurm_host(text);
+    }
+}
+
+/// The secret of [`link`]'s sessions, and its nonces: node 0's, the joining node's.
+const LINK_SECRET: [u8; 32] = [0x5a; 32];
+const LINK_NONCES: ([u8; 32], [u8; 32]) = ([1; 32], [2; 32]);
+
+/// The nodes' link, read as each end reads it, in two ways.
+///
+/// As they come: the first line as node 0's challenge (what a joining node reads first) and as a
+/// hello (what node 0 reads first; one that opens goes through `mismatch`, `common_step` and
+/// `check_go`), then every line as the next message of each direction, under the session of
+/// [`LINK_SECRET`] and [`LINK_NONCES`] (the regression inputs hold lines sealed so).
+///
+/// Sealed, then tampered with: the lines after the first byte are sealed in order as the joining
+/// node's messages (their text as it is), then the first byte's low two bits choose what is done
+/// to the stream: nothing, a bit flipped (at a place the rest of the byte picks), the first line
+/// sent again at the end (a replay), or the first two lines swapped; bit 2 also cuts the stream
+/// short. Node 0 reads it back until the first refusal, and must have opened only the lines that
+/// were sealed, each at its own place: anything else would be a message obeyed that its sender
+/// never sent, and panics.
+pub fn link(data: &[u8]) {
+    let Ok(secret) = nodes::Secret::new(LINK_SECRET.to_vec()) else {
+        unreachable!("the secret has 32 bytes")
+    };
+    let (zero, one) = LINK_NONCES;
+    let session = nodes::Session::new(&secret, &zero, &one);
     let ours = nodes::Hello {
         version: nodes::VERSION,
         node: 0,
@@ -258,16 +288,58 @@ pub fn control(data: &[u8]) {
         checkpoints: vec![3, 6],
         resume: true,
     };
-    let mut link = std::io::BufReader::new(data);
-    while let Ok(Some(message)) = nodes::read_message(&mut link) {
-        if let nodes::Message::Hello(theirs) = message {
-            let _ = nodes::mismatch(&ours, &theirs);
-            let _ = nodes::common_step(&[&ours.checkpoints, &theirs.checkpoints]);
+    let (_, mut at_zero) = session.node0();
+    let (_, mut at_node) = session.node();
+    let mut stream = std::io::BufReader::new(data);
+    let mut first = true;
+    while let Ok(Some(line)) = nodes::read_line(&mut stream, nodes::MAX_LINE) {
+        if std::mem::take(&mut first) {
+            let _ = nodes::parse_challenge(&line);
+            if let Ok((theirs, _)) = nodes::open_hello(&secret, &zero, &line) {
+                let _ = nodes::mismatch(&ours, &theirs);
+                let step = nodes::common_step(&[&ours.checkpoints, &theirs.checkpoints]);
+                let _ = nodes::check_go(&theirs, 7, step);
+            }
         }
+        let _ = at_zero.open(&line);
+        let _ = at_node.open(&line);
     }
-    if let Ok(text) = std::str::from_utf8(data) {
-        let _ = nodes::parse_rendezvous(text);
-        let _ = nodes::first_slurm_host(text);
+
+    let (how, rest) = flags(data);
+    let (mut seal, _) = session.node();
+    let sealed: Vec<Vec<u8>> = rest
+        .split(|&b| b == b'\n')
+        .take(64)
+        .map(|text| seal.seal_text(text))
+        .collect();
+    let mut sent = sealed.clone();
+    match how & 3 {
+        1 => {
+            let line = &mut sent[0];
+            let last = line.len() - 1;
+            let at = (usize::from(how >> 3) * line.len() / 32).min(last);
+            line[at] ^= 1 << (how >> 5);
+        }
+        2 => sent.push(sealed[0].clone()),
+        3 if sent.len() > 1 => sent.swap(0, 1),
+        _ => {}
+    }
+    let mut bytes = sent.concat();
+    if how & 4 != 0 {
+        bytes.truncate(bytes.len() * usize::from(how >> 3) / 32);
+    }
+    let (_, mut open) = session.node0();
+    let mut stream = std::io::BufReader::new(bytes.as_slice());
+    let mut opened = 0;
+    while let Ok(Some(line)) = nodes::read_line(&mut stream, nodes::MAX_LINE) {
+        if open.open(&line).is_err() {
+            break;
+        }
+        assert!(
+            sealed.get(opened) == Some(&line),
+            "line {opened} opened, but it is not the line sealed there"
+        );
+        opened += 1;
     }
 }
 
@@ -448,6 +520,8 @@ fn shown<T, E: std::fmt::Display>(result: Result<T, E>) -> Option<T> {
 
 /// `--target-model` naming the valid tiny target (see [`options`]).
 const TINY_TARGET: &str = "model";
+/// Every `--rendezvous-secret-file`: a valid secret of the scratch folder.
+const SECRET: &str = "secret";
 
 /// The `options` scratch folder, holding `model/config.json` (a valid tiny Qwen3 target).
 fn options_dir() -> PathBuf {
@@ -459,6 +533,18 @@ fn options_dir() -> PathBuf {
             &config,
             br#"{"architectures": ["Qwen3ForCausalLM"], "vocab_size": 64, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 8, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4, "rms_norm_eps": 1e-06, "tie_word_embeddings": true}"#,
         );
+    }
+    let secret = dir.join(SECRET);
+    if !secret.is_file() {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&secret)
+            .and_then(|mut f| f.write_all(&[7; 32]))
+            .expect("write the scratch secret");
     }
     dir
 }
@@ -518,6 +604,9 @@ fn launch_options(mut args: LaunchArgs) {
     }
     if args.metrics_addr.as_deref().is_some_and(needs_resolver) {
         args.metrics_addr = Some("0".into());
+    }
+    if args.rendezvous_secret_file.is_some() {
+        args.rendezvous_secret_file = Some(dir.join(SECRET));
     }
     if !args.resume {
         if let Some(config) = shown(launch::config_from_args(&args, None)) {

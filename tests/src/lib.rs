@@ -329,3 +329,117 @@ pub fn final_checkpoint(run_dir: &Path) -> PathBuf {
 pub fn final_bytes(run_dir: &Path) -> Vec<u8> {
     fs::read(final_checkpoint(run_dir)).unwrap()
 }
+
+/// The uid and gid of `nobody`: another user of the machine, for the attacks.
+pub const STRANGER: u32 = 65534;
+
+/// A run's secret for `--rendezvous-secret-file`: 32 random bytes in `dir/name`, mode 0600.
+pub fn secret_file(dir: &Path, name: &str) -> PathBuf {
+    use std::io::{Read, Write};
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut bytes = [0u8; 32];
+    fs::File::open("/dev/urandom")
+        .and_then(|mut r| r.read_exact(&mut bytes))
+        .unwrap();
+    let path = dir.join(name);
+    fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&path)
+        .and_then(|mut f| f.write_all(&bytes))
+        .unwrap();
+    path
+}
+
+/// `tests/src/bin/link-attacker` run as another user ([`STRANGER`], when the tests run as root):
+/// its lines as they come. It ends when this is dropped (its stdin closes).
+pub struct LinkAttacker {
+    child: Child,
+    lines: std::sync::mpsc::Receiver<String>,
+    _copy: tempfile::TempDir,
+}
+
+impl LinkAttacker {
+    pub fn start(args: &[&str]) -> Self {
+        use std::io::BufRead;
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        use std::os::unix::process::CommandExt;
+        // A copy where the other user may run it.
+        let copy = tempfile::tempdir().unwrap();
+        fs::set_permissions(copy.path(), fs::Permissions::from_mode(0o755)).unwrap();
+        let exe = copy.path().join("link-attacker");
+        fs::copy(bin("link-attacker"), &exe).unwrap();
+        fs::set_permissions(&exe, fs::Permissions::from_mode(0o755)).unwrap();
+        let mut command = Command::new(&exe);
+        command
+            .args(args)
+            .env_clear()
+            .current_dir("/")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        if fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0) {
+            command.uid(STRANGER).gid(STRANGER);
+        }
+        let mut child = command.spawn().unwrap();
+        if fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0) {
+            // Set before its exec: another user from its first instruction.
+            let status = fs::read_to_string(format!("/proc/{}/status", child.id())).unwrap();
+            let uid = status.lines().find(|l| l.starts_with("Uid:")).unwrap();
+            assert!(
+                uid.contains(&STRANGER.to_string()),
+                "the attacker runs as {uid}"
+            );
+        }
+        let out = child.stdout.take().unwrap();
+        let (to, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(out).lines() {
+                let Ok(line) = line else { return };
+                if to.send(line).is_err() {
+                    return;
+                }
+            }
+        });
+        Self {
+            child,
+            lines,
+            _copy: copy,
+        }
+    }
+
+    /// Its next line (within two minutes).
+    pub fn line(&self) -> String {
+        self.lines
+            .recv_timeout(Duration::from_secs(120))
+            .expect("a line of the attacker")
+    }
+
+    /// Its lines up to and without the one equal to `last`.
+    pub fn lines_until(&self, last: &str) -> Vec<String> {
+        let mut lines = Vec::new();
+        loop {
+            let line = self.line();
+            if line == last {
+                return lines;
+            }
+            lines.push(line);
+        }
+    }
+}
+
+impl Drop for LinkAttacker {
+    fn drop(&mut self) {
+        drop(self.child.stdin.take());
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if !matches!(self.child.try_wait(), Ok(None)) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

@@ -1,7 +1,9 @@
 //! Several nodes on one machine: two orchestrators on 127.0.0.1, each with its own target and
 //! drafter (`cpu:2`, `--topology 1:1`), whose drafters form one gloo group across the nodes. They
-//! end with the bytes of one node training both drafters, stop together when one is lost, resume
-//! to the bytes of an undisturbed run, and refuse what would make them train different runs.
+//! end with the bytes of one node training both drafters (while another user attacks the
+//! rendezvous), stop together when one is lost, resume to the bytes of an undisturbed run, and
+//! refuse what would make them train different runs: other options, other code, another secret,
+//! a fake node 0.
 
 use std::fs;
 use std::net::TcpListener;
@@ -10,8 +12,8 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use dflash_e2e::{
-    DATA_PARALLEL_FLAGS, alive, assert_clean, assert_refused, bin, final_bytes, finish,
-    journal_events, launch_with, status, tiny_target, wait_until,
+    DATA_PARALLEL_FLAGS, LinkAttacker, alive, assert_clean, assert_refused, bin, final_bytes,
+    finish, journal_events, launch_with, secret_file, status, tiny_target, wait_until,
 };
 use serde_json::Value;
 
@@ -35,25 +37,55 @@ fn launch(run_dir: &Path, target: &Path, gpus: &str, topology: &str, extra: &[&s
     launch_with(run_dir, target, &DATA_PARALLEL_FLAGS, &args)
 }
 
-/// Node `rank` of two meeting at `port`.
-fn node(run_dir: &Path, target: &Path, rank: u32, port: u16, extra: &[&str]) -> Command {
-    let rendezvous = format!("127.0.0.1:{port}");
+/// Node `rank` of two meeting at `port`, with the run's `secret` file.
+fn node(
+    run_dir: &Path,
+    target: &Path,
+    rank: u32,
+    port: u16,
+    secret: &Path,
+    extra: &[&str],
+) -> Command {
+    node_at(
+        run_dir,
+        target,
+        rank,
+        &format!("127.0.0.1:{port}"),
+        secret,
+        extra,
+    )
+}
+
+/// Node `rank` of two meeting at `rendezvous`.
+fn node_at(
+    run_dir: &Path,
+    target: &Path,
+    rank: u32,
+    rendezvous: &str,
+    secret: &Path,
+    extra: &[&str],
+) -> Command {
+    let secret = secret.to_str().unwrap();
     let mut args = vec![
         "--nodes",
         "2",
         "--rendezvous",
-        &rendezvous,
+        rendezvous,
         "--node-rank",
         if rank == 0 { "0" } else { "1" },
+        "--rendezvous-secret-file",
+        secret,
     ];
     args.extend_from_slice(extra);
     launch(run_dir, target, "cpu:2", "1:1", &args)
 }
 
-fn resume(run_dir: &Path) -> Child {
+/// `launch --resume`, the secret from its variable.
+fn resume(run_dir: &Path, secret: &Path) -> Child {
     Command::new(bin("dflash-orch"))
         .args(["launch", "--resume", "--run-dir"])
         .arg(run_dir)
+        .env("DFLASH_RENDEZVOUS_SECRET_FILE", secret)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -65,27 +97,42 @@ fn commits(run_dir: &Path) -> usize {
     journal_events(run_dir, "commit").len()
 }
 
-/// Two nodes end with the bytes of one node training both drafters on the same global batch;
-/// node 0's `status` shows both nodes' workers, and every journal and metrics line names its
-/// node. SIGKILL the whole rank-1 orchestrator mid-run: node 0 stops at once, naming the lost
-/// node, with nothing left running; both relaunched with `--resume` end with the undisturbed
-/// run's bytes. The same holds when node 0 is the one lost.
+/// Two nodes end with the bytes of one node training both drafters on the same global batch,
+/// although another user (uid 65534) first sends node 0 forged hellos and stops and holds a
+/// hundred silent connections and a slow one open at the rendezvous (each dropped and logged),
+/// and finds nobody to send a stop to once the nodes have joined. Node 0's `status` shows both
+/// nodes' workers, and every journal and metrics line names its node. SIGKILL the whole rank-1
+/// orchestrator mid-run: node 0 stops at once, naming the lost node, with nothing left running;
+/// both relaunched with `--resume` end with the undisturbed run's bytes. The same holds when
+/// node 0 is the one lost.
 #[test]
 fn two_nodes_train_as_one_and_a_lost_node_costs_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let target = tiny_target(dir.path());
+    let secret = secret_file(dir.path(), "secret");
     let one = dir.path().join("one");
     finish(launch(&one, &target, "cpu:4", "2:2", &[]).spawn().unwrap());
 
     let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
     let runs: Vec<PathBuf> = (0..2).map(|r| dir.path().join(format!("n{r}"))).collect();
-    let children: Vec<Child> = (0..2)
-        .map(|r| {
-            node(&runs[r], &target, r as u32, port, &[])
-                .spawn()
-                .unwrap()
-        })
-        .collect();
+    let mut children = vec![
+        node(&runs[0], &target, 0, port, &secret, &[])
+            .spawn()
+            .unwrap(),
+    ];
+    let forger = LinkAttacker::start(&["forge", &addr]);
+    let forged = forger.lines_until("done");
+    assert!(forged.iter().all(|o| o == "dropped"), "{forged:?}");
+    let silent = LinkAttacker::start(&["silent", &addr, "100"]);
+    assert_eq!(silent.line(), "open 100");
+    let slow = LinkAttacker::start(&["slowloris", &addr, "5"]);
+    assert_eq!(slow.line(), "writing");
+    children.push(
+        node(&runs[1], &target, 1, port, &secret, &[])
+            .spawn()
+            .unwrap(),
+    );
     // Node 0's status carries node 1's workers once node 1 has reported.
     let mut seen = Value::Null;
     wait_until(
@@ -108,9 +155,16 @@ fn two_nodes_train_as_one_and_a_lost_node_costs_nothing() {
     assert_eq!(seen["run"]["node"], 0, "{seen}");
     assert_eq!(seen["nodes"][1]["run"]["node"], 1, "{seen}");
     assert_eq!(seen["workers"].as_array().unwrap().len(), 4, "{seen}");
-    for child in children {
-        finish(child);
-    }
+    let late = LinkAttacker::start(&["forge-now", &addr]);
+    assert_eq!(late.line(), "unreachable");
+    drop((forger, silent, slow, late));
+    let outs: Vec<Output> = children.into_iter().map(finish).collect();
+    let logged = String::from_utf8_lossy(&outs[0].stderr);
+    assert!(
+        logged.contains("at the rendezvous: a line without a MAC")
+            && logged.contains("dropped (node 0 goes on waiting"),
+        "{logged}"
+    );
     let reference = final_bytes(&runs[0]);
     assert!(
         final_bytes(&runs[1]) == reference,
@@ -138,7 +192,7 @@ fn two_nodes_train_as_one_and_a_lost_node_costs_nothing() {
             .collect();
         let mut children: Vec<Child> = (0..2)
             .map(|r| {
-                node(&runs[r], &target, r as u32, port, &[])
+                node(&runs[r], &target, r as u32, port, &secret, &[])
                     .spawn()
                     .unwrap()
             })
@@ -171,7 +225,7 @@ fn two_nodes_train_as_one_and_a_lost_node_costs_nothing() {
                 || !alive(pid),
             );
         }
-        let resumed: Vec<Child> = runs.iter().map(|r| resume(r)).collect();
+        let resumed: Vec<Child> = runs.iter().map(|r| resume(r, &secret)).collect();
         for child in resumed {
             finish(child);
         }
@@ -195,6 +249,7 @@ fn two_nodes_train_as_one_and_a_lost_node_costs_nothing() {
 fn a_node_without_a_batch_in_a_short_group_takes_part_in_its_step() {
     let dir = tempfile::tempdir().unwrap();
     let target = tiny_target(dir.path());
+    let secret = secret_file(dir.path(), "secret");
     let epochs = ["--epochs", "2"];
     let one = dir.path().join("one");
     finish(
@@ -214,6 +269,7 @@ fn a_node_without_a_batch_in_a_short_group_takes_part_in_its_step() {
             ];
             let rendezvous = format!("127.0.0.1:{port}");
             args.extend(["--rendezvous", rendezvous.as_str()]);
+            args.extend(["--rendezvous-secret-file", secret.to_str().unwrap()]);
             args.extend(epochs);
             launch(&runs[r], &target, "cpu:3", "1:2", &args)
                 .spawn()
@@ -260,11 +316,13 @@ fn a_node_without_a_batch_in_a_short_group_takes_part_in_its_step() {
 
 /// Refused, with nothing created: a node rank outside `--nodes`; node 1 whose options or store
 /// differ from node 0's (named, and node 0 refuses too); a rendezvous nobody answers (within
-/// `--rendezvous-timeout`); a rendezvous port already in use.
+/// `--rendezvous-timeout`); a rendezvous port already in use, by the launch and by its dry run
+/// alike, and by the dry run an address this machine does not have.
 #[test]
 fn nodes_refuse_what_would_train_different_runs() {
     let dir = tempfile::tempdir().unwrap();
     let target = tiny_target(dir.path());
+    let secret = secret_file(dir.path(), "secret");
     let run_dir = dir.path().join("refused");
     let timeout = ["--rendezvous-timeout", "20"];
 
@@ -294,10 +352,14 @@ fn nodes_refuse_what_would_train_different_runs() {
     ] {
         let port = free_port();
         let zero = dir.path().join("zero");
-        let first = node(&zero, &target, 0, port, &timeout).spawn().unwrap();
+        let first = node(&zero, &target, 0, port, &secret, &timeout)
+            .spawn()
+            .unwrap();
         let mut args = timeout.to_vec();
         args.extend_from_slice(extra);
-        let out = node(&run_dir, &target, 1, port, &args).output().unwrap();
+        let out = node(&run_dir, &target, 1, port, &secret, &args)
+            .output()
+            .unwrap();
         assert_refused(&out, 2, "node 0 refused node 1");
         assert_refused(&out, 2, needle);
         let zero_out = first.wait_with_output().unwrap();
@@ -313,9 +375,16 @@ fn nodes_refuse_what_would_train_different_runs() {
 
     let port = free_port();
     let started = Instant::now();
-    let out = node(&run_dir, &target, 1, port, &["--rendezvous-timeout", "3"])
-        .output()
-        .unwrap();
+    let out = node(
+        &run_dir,
+        &target,
+        1,
+        port,
+        &secret,
+        &["--rendezvous-timeout", "3"],
+    )
+    .output()
+    .unwrap();
     assert_refused(
         &out,
         2,
@@ -329,7 +398,167 @@ fn nodes_refuse_what_would_train_different_runs() {
 
     let taken = TcpListener::bind("127.0.0.1:0").unwrap();
     let port = taken.local_addr().unwrap().port();
-    let out = node(&run_dir, &target, 0, port, &timeout).output().unwrap();
+    let out = node(&run_dir, &target, 0, port, &secret, &timeout)
+        .output()
+        .unwrap();
     assert_refused(&out, 2, "the port is in use");
+    let out = node(&run_dir, &target, 0, port, &secret, &["--dry-run"])
+        .output()
+        .unwrap();
+    assert_refused(&out, 1, "a launch would be refused");
+    assert_refused(&out, 1, "the port is in use");
+    // An address this machine does not have (TEST-NET-1): EADDRNOTAVAIL, which the launch meets
+    // at the same bind.
+    let out = node_at(
+        &run_dir,
+        &target,
+        0,
+        "192.0.2.7:29400",
+        &secret,
+        &["--dry-run"],
+    )
+    .output()
+    .unwrap();
+    assert_refused(&out, 1, "this machine has no such address");
     assert!(!run_dir.exists());
+}
+
+/// The run's secret and the link's peers: a launch of several nodes without a secret, or with
+/// a secret file others may read, is refused naming the option (its dry run too); non-UTF-8 and
+/// junk Slurm variables are refused in a short line; a fake node 0 (another user, who copied the
+/// secret's key id from a real challenge) answering a fresh run with step 999999 is refused by
+/// node 1; a node running a changed `dflash_orch` package is refused by node 0, naming the
+/// engine's code. Nothing is created by any of them. (A node given another secret: the unit
+/// tests of `runtime::nodes`.)
+#[test]
+fn nodes_refuse_a_peer_without_the_secret_or_with_other_code() {
+    use std::os::unix::ffi::OsStrExt;
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let target = tiny_target(dir.path());
+    let secret = secret_file(dir.path(), "secret");
+    let run_dir = dir.path().join("refused");
+    let zero = dir.path().join("zero");
+    let bare = |extra: &[&str]| {
+        let mut args = vec![
+            "--nodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--rendezvous",
+            "127.0.0.1:1",
+        ];
+        args.extend_from_slice(extra);
+        launch(&run_dir, &target, "cpu:2", "1:1", &args)
+    };
+
+    let out = bare(&[])
+        .env_remove("DFLASH_RENDEZVOUS_SECRET_FILE")
+        .output()
+        .unwrap();
+    assert_refused(&out, 2, "--nodes 2 needs --rendezvous-secret-file FILE");
+    let out = bare(&["--dry-run"]).output().unwrap();
+    assert_refused(&out, 1, "--nodes 2 needs --rendezvous-secret-file FILE");
+    let open = secret_file(dir.path(), "open");
+    fs::set_permissions(&open, fs::Permissions::from_mode(0o644)).unwrap();
+    let out = bare(&["--rendezvous-secret-file", open.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_refused(&out, 2, "has mode 0644: other users may read or change it");
+
+    let mut bad = bare(&[]);
+    bad.env("SLURM_NNODES", std::ffi::OsStr::from_bytes(b"2\xff"));
+    assert_refused(
+        &bad.output().unwrap(),
+        2,
+        "SLURM_NNODES=\"2\u{fffd}\" is not UTF-8 text",
+    );
+    let junk = format!("n[{}", "x".repeat(10_000));
+    let mut bad = launch(&run_dir, &target, "cpu:2", "1:1", &[]);
+    bad.env("SLURM_NNODES", "2")
+        .env("SLURM_JOB_NODELIST", &junk);
+    let out = bad.output().unwrap();
+    assert_refused(&out, 2, "SLURM_JOB_NODELIST=");
+    let first = String::from_utf8_lossy(&out.stderr)
+        .lines()
+        .next()
+        .unwrap()
+        .len();
+    assert!(first < 300, "an error line of {first} bytes");
+    assert!(!run_dir.exists());
+
+    // A fake node 0 with the key id copied.
+    let key_id = dflash_orch::runtime::nodes::Secret::read(&secret)
+        .unwrap()
+        .key_id();
+    let fake = LinkAttacker::start(&["fake0", &key_id]);
+    let port: u16 = fake
+        .line()
+        .strip_prefix("listening ")
+        .unwrap()
+        .parse()
+        .unwrap();
+    let out = node(
+        &run_dir,
+        &target,
+        1,
+        port,
+        &secret,
+        &["--rendezvous-timeout", "60"],
+    )
+    .output()
+    .unwrap();
+    assert_refused(&out, 2, "is not node 0's of this run");
+    assert_eq!(fake.line(), "answered");
+    assert!(!run_dir.exists());
+
+    // Node 1 runs a copy of dflash-orch beside a changed copy of its package.
+    let install = dir.path().join("install");
+    let package = install.join("python/dflash_orch");
+    fs::create_dir_all(install.join("bin")).unwrap();
+    fs::create_dir_all(&package).unwrap();
+    fs::copy(bin("dflash-orch"), install.join("bin/dflash-orch")).unwrap();
+    let ours = dflash_e2e::workspace_root().join("python/dflash_orch");
+    for file in fs::read_dir(&ours).unwrap() {
+        let file = file.unwrap().path();
+        if file.extension().is_some_and(|e| e == "py") {
+            fs::copy(&file, package.join(file.file_name().unwrap())).unwrap();
+        }
+    }
+    let drafter = package.join("drafter.py");
+    let mut text = fs::read_to_string(&drafter).unwrap();
+    text.push_str("\n# changed on this node only\n");
+    fs::write(&drafter, text).unwrap();
+    let port = free_port();
+    let first = node(
+        &zero,
+        &target,
+        0,
+        port,
+        &secret,
+        &["--rendezvous-timeout", "120"],
+    )
+    .spawn()
+    .unwrap();
+    let changed = node(
+        &run_dir,
+        &target,
+        1,
+        port,
+        &secret,
+        &["--rendezvous-timeout", "120"],
+    );
+    let out = Command::new(install.join("bin/dflash-orch"))
+        .args(changed.get_args())
+        .env("DFLASH_WORKER_BIN", bin("dflash-worker"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    assert_refused(&out, 2, "node 0 refused node 1");
+    assert_refused(&out, 2, "engine_code");
+    let zero_out = first.wait_with_output().unwrap();
+    assert_refused(&zero_out, 2, "its run differs from node 0's in engine_code");
+    assert!(!run_dir.exists() && !zero.exists(), "nothing is created");
 }

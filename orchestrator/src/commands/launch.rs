@@ -1,5 +1,6 @@
 //! `dflash-orch launch`: start (or resume) a run and drive it to its end.
 
+use std::ffi::OsString;
 use std::path::PathBuf;
 
 use clap::Args;
@@ -119,6 +120,15 @@ pub struct LaunchArgs {
     /// until node 0 answers), in seconds: 1 to 86400.
     #[arg(long, value_name = "SECS", default_value_t = 300.0, help_heading = "Several nodes", value_parser = options::real(1.0, 86_400.0, " seconds"))]
     pub rendezvous_timeout: f64,
+
+    /// The run's secret, which authenticates every message between the nodes (each end proves
+    /// it to the other; nothing unproven is obeyed): a file of at least 32 bytes that every node
+    /// reads, the same on each, this user's own and owner-only (mode 0600), not a symbolic link.
+    /// Make one with `umask 077; head -c 32 /dev/urandom > FILE`. Needed with more than one
+    /// node, on every launch and resume. [default: $DFLASH_RENDEZVOUS_SECRET_FILE, which srun
+    /// and torchrun pass on to every node]
+    #[arg(long, value_name = "FILE", help_heading = "Several nodes")]
+    pub rendezvous_secret_file: Option<PathBuf>,
 
     /// Continue the run in --run-dir from its journal. Its options come from the journal: an
     /// option given again must have the journal's value, except those that may change on resume:
@@ -486,43 +496,80 @@ fn node_config(
                 "--nodes {nodes} needs --rendezvous HOST:PORT (node 0's)"
             ))
         })?;
-    let config = runtime::nodes::NodeConfig {
+    let mut config = runtime::nodes::NodeConfig {
         nodes,
         rank,
         rendezvous,
         timeout_s: args.rendezvous_timeout,
+        secret: None,
     };
     config.check().map_err(CliError::Invalid)?;
+    let file = args.rendezvous_secret_file.as_ref().ok_or_else(|| {
+        CliError::Invalid(format!(
+            "--nodes {nodes} needs --rendezvous-secret-file FILE (or {SECRET_VARIABLE}): the run's secret, which authenticates the link between the nodes; {}",
+            runtime::nodes::MAKE_SECRET
+        ))
+    })?;
+    config.secret = Some(
+        runtime::nodes::Secret::read(file)
+            .map_err(|e| CliError::Invalid(format!("--rendezvous-secret-file {e}")))?,
+    );
     Ok(Some(config))
 }
 
+/// The variable naming the secret file where `--rendezvous-secret-file` is not given.
+pub const SECRET_VARIABLE: &str = "DFLASH_RENDEZVOUS_SECRET_FILE";
+
 /// `--nodes`, `--node-rank` and `--rendezvous` from Slurm's or torchrun's environment (read
-/// through `get`) where not given; each filled option counts as given.
+/// through `get`) where not given; each filled option counts as given. `--rendezvous-secret-file`
+/// from [`SECRET_VARIABLE`] where not given. A variable read that is not UTF-8 text, or not of
+/// its form, is refused, naming it (its value clipped).
 pub fn nodes_from_env(
     args: &mut LaunchArgs,
-    get: impl Fn(&str) -> Option<String>,
+    get: impl Fn(&str) -> Option<OsString>,
 ) -> Result<(), CliError> {
-    let number = |name: &str| -> Result<Option<u32>, CliError> {
+    use crate::format::clip;
+    if args.rendezvous_secret_file.is_none() {
+        args.rendezvous_secret_file = get(SECRET_VARIABLE)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from);
+    }
+    let text = |name: &str| -> Result<Option<String>, CliError> {
         get(name)
             .map(|v| {
-                v.trim()
-                    .parse::<u32>()
-                    .map_err(|_| CliError::Invalid(format!("{name}={v:?} is not a whole number")))
+                v.into_string().map_err(|v| {
+                    CliError::Invalid(format!(
+                        "{name}={:?} is not UTF-8 text",
+                        clip(&v.to_string_lossy(), 80)
+                    ))
+                })
+            })
+            .transpose()
+    };
+    let number = |name: &str| -> Result<Option<u32>, CliError> {
+        text(name)?
+            .map(|v| {
+                v.trim().parse::<u32>().map_err(|_| {
+                    CliError::Invalid(format!("{name}={:?} is not a whole number", clip(&v, 80)))
+                })
             })
             .transpose()
     };
     let (nodes, rank, rendezvous) = if let Some(n) = number("SLURM_NNODES")? {
-        let host = get("SLURM_JOB_NODELIST")
+        let host = text("SLURM_JOB_NODELIST")?
             .map(|list| {
                 runtime::nodes::first_slurm_host(&list).ok_or_else(|| {
-                    CliError::Invalid(format!("SLURM_JOB_NODELIST={list:?} names no host"))
+                    CliError::Invalid(format!(
+                        "SLURM_JOB_NODELIST={:?} names no host",
+                        clip(&list, 80)
+                    ))
                 })
             })
             .transpose()?;
         (
             Some(n),
             number("SLURM_NODEID")?,
-            host.map(|h| format!("{h}:29400")),
+            host.map(|h| (format!("{h}:29400"), "SLURM_JOB_NODELIST")),
         )
     } else if let (Some(world), Some(local)) = (number("WORLD_SIZE")?, number("LOCAL_WORLD_SIZE")?)
     {
@@ -536,8 +583,8 @@ pub fn nodes_from_env(
                 "LOCAL_RANK={local_rank}: torchrun started {local} processes on this node, and dflash-orch runs once per node (it starts a worker per GPU itself): pass --nproc-per-node 1"
             )));
         }
-        let addr = match (get("MASTER_ADDR"), get("MASTER_PORT")) {
-            (Some(a), Some(p)) => Some(format!("{a}:{p}")),
+        let addr = match (text("MASTER_ADDR")?, text("MASTER_PORT")?) {
+            (Some(a), Some(p)) => Some((format!("{a}:{p}"), "MASTER_ADDR:MASTER_PORT")),
             _ => None,
         };
         (Some(world / local), number("GROUP_RANK")?, addr)
@@ -552,15 +599,20 @@ pub fn nodes_from_env(
         args.node_rank = rank;
         args.given.push("node-rank".into());
     }
-    if args.rendezvous.is_none() && args.nodes.is_some() && rendezvous.is_some() {
-        args.rendezvous = rendezvous;
+    if let Some((rendezvous, from)) = rendezvous
+        && args.rendezvous.is_none()
+        && args.nodes.is_some()
+    {
+        runtime::nodes::parse_rendezvous(&rendezvous)
+            .map_err(|e| CliError::Invalid(format!("the rendezvous from {from}: {e}")))?;
+        args.rendezvous = Some(rendezvous);
         args.given.push("rendezvous".into());
     }
     Ok(())
 }
 
 pub fn run(mut args: LaunchArgs) -> Result<(), CliError> {
-    nodes_from_env(&mut args, |name| std::env::var(name).ok())?;
+    nodes_from_env(&mut args, |name| std::env::var_os(name))?;
     if args.dry_run {
         return dry_run(&args);
     }
@@ -578,8 +630,12 @@ fn session_config(
         let stored = runtime::resume::stored_config(&args.run_dir).map_err(run_error)?;
         let session = config_from_args(args, Some(&stored))?;
         let given = runtime::resume::given_values(&args.given, &session);
-        let (config, changes) =
+        let (mut config, changes) =
             runtime::resume::merge(stored, &given, &session).map_err(CliError::Invalid)?;
+        // The secret is never journaled: this session's.
+        if let (Some(run), Some(now)) = (config.nodes.as_mut(), session.nodes.as_ref()) {
+            run.secret.clone_from(&now.secret);
+        }
         if args.given.iter().any(|g| g == "eval-every") && config.eval.is_none() {
             return Err(CliError::Invalid(
                 "--eval-every on --resume of a run planned without it needs --eval-prompts FILE \
@@ -776,12 +832,12 @@ mod tests {
         }
     }
 
-    fn env<'a>(pairs: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+    fn env<'a>(pairs: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<OsString> + 'a {
         move |name| {
             pairs
                 .iter()
                 .find(|(k, _)| *k == name)
-                .map(|(_, v)| (*v).to_owned())
+                .map(|(_, v)| OsString::from(*v))
         }
     }
 
@@ -846,11 +902,129 @@ mod tests {
                 ][..],
                 "LOCAL_RANK=3: torchrun started 4 processes on this node",
             ),
+            (
+                &[
+                    ("WORLD_SIZE", "8"),
+                    ("LOCAL_WORLD_SIZE", "4"),
+                    ("MASTER_ADDR", "a b"),
+                    ("MASTER_PORT", "1"),
+                ][..],
+                "the rendezvous from MASTER_ADDR:MASTER_PORT: \"a b:1\" is not HOST:PORT",
+            ),
         ] {
             let mut a = args(&[]);
             let e = nodes_from_env(&mut a, env(bad)).unwrap_err().to_string();
             assert!(e.contains(says), "{e}");
         }
+
+        // A 10 KB junk node list is refused in a short line, naming it.
+        let junk = format!("n[{}", "x".repeat(10_000));
+        let mut a = args(&[]);
+        let e = nodes_from_env(
+            &mut a,
+            env(&[("SLURM_NNODES", "2"), ("SLURM_JOB_NODELIST", &junk)]),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.starts_with("SLURM_JOB_NODELIST=") && e.len() < 200, "{e}");
+
+        // The secret file comes from its variable; the command line wins.
+        let mut a = args(&[]);
+        nodes_from_env(&mut a, env(&[("DFLASH_RENDEZVOUS_SECRET_FILE", "/s")])).unwrap();
+        assert_eq!(
+            a.rendezvous_secret_file.as_deref(),
+            Some(std::path::Path::new("/s"))
+        );
+        let mut a = args(&["--rendezvous-secret-file", "/mine"]);
+        nodes_from_env(&mut a, env(&[("DFLASH_RENDEZVOUS_SECRET_FILE", "/s")])).unwrap();
+        assert_eq!(
+            a.rendezvous_secret_file.as_deref(),
+            Some(std::path::Path::new("/mine"))
+        );
+    }
+
+    /// A variable of Slurm's or torchrun's that is not UTF-8 is refused, naming it, not taken
+    /// for absent (which would train on one node).
+    #[test]
+    fn non_utf8_node_variables_are_refused() {
+        use std::os::unix::ffi::OsStringExt;
+        for (name, with) in [
+            ("SLURM_NNODES", &[][..]),
+            ("SLURM_NODEID", &[("SLURM_NNODES", "2")][..]),
+            ("SLURM_JOB_NODELIST", &[("SLURM_NNODES", "2")][..]),
+            ("WORLD_SIZE", &[("LOCAL_WORLD_SIZE", "1")][..]),
+            (
+                "MASTER_ADDR",
+                &[
+                    ("WORLD_SIZE", "2"),
+                    ("LOCAL_WORLD_SIZE", "1"),
+                    ("MASTER_PORT", "1"),
+                ][..],
+            ),
+        ] {
+            let get = |n: &str| {
+                if n == name {
+                    Some(OsString::from_vec(b"2\xff".to_vec()))
+                } else {
+                    env(with)(n)
+                }
+            };
+            let mut a = args(&[]);
+            let e = nodes_from_env(&mut a, get).unwrap_err().to_string();
+            assert!(
+                e.contains(&format!("{name}=\"2\u{fffd}\" is not UTF-8 text")),
+                "{e}"
+            );
+        }
+    }
+
+    /// Several nodes need the run's secret: without one the launch is refused naming the option
+    /// (before anything is read or created); a bad secret file is refused naming it and why.
+    #[test]
+    fn several_nodes_need_a_secret() {
+        use std::os::unix::fs::PermissionsExt;
+        let nodes = [
+            "--gpus",
+            "cpu:2",
+            "--synthetic",
+            "10",
+            "--nodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--rendezvous",
+            "h:1",
+        ];
+        let e = config_from_args(&args(&nodes), None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(
+                "--nodes 2 needs --rendezvous-secret-file FILE (or DFLASH_RENDEZVOUS_SECRET_FILE)"
+            ) && e.contains("head -c 32 /dev/urandom"),
+            "{e}"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("secret");
+        std::fs::write(&file, [1u8; 32]).unwrap();
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let with = |f: &std::path::Path| {
+            let mut a = args(&nodes);
+            a.rendezvous_secret_file = Some(f.to_path_buf());
+            config_from_args(&a, None)
+        };
+        let e = with(&file).unwrap_err().to_string();
+        assert!(
+            e.starts_with("--rendezvous-secret-file ") && e.contains("has mode 0644"),
+            "{e}"
+        );
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let config = with(&file).unwrap();
+        let n = config.nodes.unwrap();
+        assert!(n.secret.is_some());
+        // Never journaled.
+        let journaled = serde_json::to_string(&n).unwrap();
+        assert!(!journaled.contains("secret"), "{journaled}");
     }
 
     /// `--node-rank` past `--nodes`, and a run of several nodes without its rendezvous, are

@@ -76,8 +76,11 @@ pub(super) fn needs_cuda_worker(settings: &DflashSettings, devices: &[Device]) -
 }
 
 /// Checks the engines: the torch engine's pre-flight (Python, torch, transformers, our package,
-/// CUDA with the `gpus` named) when a role uses it.
-pub(super) fn check_engines(settings: &mut DflashSettings, gpus: &[u32]) -> Result<(), RunError> {
+/// CUDA with the `gpus` named) when a role uses it. Returns its report (None without torch).
+pub(super) fn check_engines(
+    settings: &mut DflashSettings,
+    gpus: &[u32],
+) -> Result<Option<super::torch_engine::Preflight>, RunError> {
     let mut checked = None;
     if settings.engine_auto {
         (settings.engines, checked) = auto_engines(settings, gpus);
@@ -85,7 +88,7 @@ pub(super) fn check_engines(settings: &mut DflashSettings, gpus: &[u32]) -> Resu
     }
     if !settings.engines.uses(Engine::Torch) {
         settings.torch = None;
-        return Ok(());
+        return Ok(None);
     }
     let runtime = settings
         .torch
@@ -94,8 +97,9 @@ pub(super) fn check_engines(settings: &mut DflashSettings, gpus: &[u32]) -> Resu
         let report = super::torch_engine::check(runtime, gpus, Some(&settings.target_model))
             .map_err(RunError::Invalid)?;
         tracing::info!("torch engine: {}", report.describe());
+        checked = Some(report);
     }
-    Ok(())
+    Ok(checked)
 }
 
 /// `--engine auto` on GPU workers: torch when the pre-flight passes with CUDA, candle otherwise;

@@ -2,7 +2,7 @@
 //! launch created (files and directories in the run directory, shared-memory segments) when a
 //! later step fails, so a failed launch leaves nothing behind and a plain relaunch works.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::path::Path;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -111,13 +111,17 @@ pub fn check_options(
 fn join_nodes(
     n: &nodes::NodeConfig,
     config: &RunConfig,
-    drafters: u32,
-    resume: bool,
+    (drafters, resume): (u32, bool),
+    code: BTreeMap<String, String>,
+    listener: Option<std::net::TcpListener>,
 ) -> Result<nodes::Joined, RunError> {
     let Some(settings) = &config.dflash else {
         return Err(RunError::Invalid("--nodes needs --stage dflash".into()));
     };
     let mut run = settings.fingerprint.clone();
+    // The code that computes, which the checkpoint's fingerprint leaves out: a node running
+    // other code would train other weights.
+    run.extend(code);
     // Held-out samples leave the plans.
     let holdout = config.eval.as_ref().map_or(0, |e| e.holdout);
     run.insert("eval_holdout".into(), holdout.to_string());
@@ -150,7 +154,7 @@ fn join_nodes(
         n.nodes,
         n.timeout_s
     );
-    let joined = nodes::join(n, hello).map_err(RunError::Invalid)?;
+    let joined = nodes::join(n, hello, listener).map_err(RunError::Invalid)?;
     tracing::info!(
         "node {} of {}: every node joined; the drafters start from {}",
         n.rank,
@@ -182,6 +186,9 @@ pub struct Prepared {
     planner: Planner,
     rings: RingPlan,
     prom: Option<crate::observe::prom::Prom>,
+    /// Several nodes: node 0's listener at the rendezvous, and the code's identity.
+    rendezvous: Option<std::net::TcpListener>,
+    code: BTreeMap<String, String>,
 }
 
 /// Checks the launch of `config` into `run_dir_path` without touching anything (see
@@ -189,6 +196,7 @@ pub struct Prepared {
 pub fn prepare(config: RunConfig, run_dir_path: &Path, resume: bool) -> Result<Prepared, RunError> {
     let mut config = config;
     let nvml = init_nvml();
+    let mut preflight = None;
     // The engine before the hardware: a torch that cannot serve the GPUs named is said as such,
     // even on a machine where no GPU is found.
     if let Some(settings) = config.dflash.as_mut() {
@@ -197,7 +205,7 @@ pub fn prepare(config: RunConfig, run_dir_path: &Path, resume: bool) -> Result<P
             Ok(spec::GpuSpec::All) => (0..gpu_count(&nvml).unwrap_or(1).max(1)).collect(),
             _ => Vec::new(),
         };
-        dflash_stage::check_engines(settings, &gpus)?;
+        preflight = dflash_stage::check_engines(settings, &gpus)?;
     }
     let options = check_options(&config, gpu_count(&nvml))?;
     let (plan_config, devices, topology) = (options.plan, options.devices, options.topology);
@@ -344,6 +352,18 @@ pub fn prepare(config: RunConfig, run_dir_path: &Path, resume: bool) -> Result<P
         })
         .transpose()
         .map_err(|e| RunError::Invalid(format!("--metrics-addr: {e}")))?;
+    // Several nodes: node 0 binds the rendezvous now, as the Prometheus port (the dry run binds
+    // and releases it); every node hashes the code that computes, for the link's check.
+    let (rendezvous, code) = match &config.nodes {
+        Some(n) => (
+            (n.rank == 0)
+                .then(|| nodes::bind(n))
+                .transpose()
+                .map_err(RunError::Invalid)?,
+            code_identity(preflight.as_ref(), &binary).map_err(RunError::Invalid)?,
+        ),
+        None => (None, BTreeMap::new()),
+    };
 
     // With several nodes, node 0 evaluates (every node holds the same weights).
     let evaluates = config.nodes.as_ref().is_none_or(|n| n.rank == 0);
@@ -383,7 +403,89 @@ pub fn prepare(config: RunConfig, run_dir_path: &Path, resume: bool) -> Result<P
         planner,
         rings,
         prom,
+        rendezvous,
+        code,
     })
+}
+
+/// The identity of the code that computes on this node, for the nodes' link: the Python files
+/// of the engine's package where the pre-flight found it, the worker binary, and torch's and
+/// transformers' versions.
+fn code_identity(
+    preflight: Option<&super::torch_engine::Preflight>,
+    worker: &Path,
+) -> Result<BTreeMap<String, String>, String> {
+    use sha2::{Digest, Sha256};
+    let short = |h: Sha256| -> String {
+        h.finalize()[..16]
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    };
+    let mut code = BTreeMap::new();
+    let mut h = Sha256::new();
+    let mut binary =
+        std::fs::File::open(worker).map_err(|e| format!("{}: {e}", worker.display()))?;
+    std::io::copy(&mut binary, &mut h).map_err(|e| format!("{}: {e}", worker.display()))?;
+    code.insert("worker_binary".to_owned(), short(h));
+    if let Some(report) = preflight {
+        let init = Path::new(&report.package_path);
+        let package = init.parent().filter(|_| init.is_file()).ok_or_else(|| {
+            format!(
+                "the torch engine's package dflash_orch: the pre-flight found it at {:?}, which is not a file",
+                crate::format::clip(&report.package_path, 200)
+            )
+        })?;
+        let mut h = Sha256::new();
+        for (name, bytes) in package_files(package)? {
+            h.update((name.len() as u64).to_le_bytes());
+            h.update(name.as_bytes());
+            h.update((bytes.len() as u64).to_le_bytes());
+            h.update(&bytes);
+        }
+        code.insert("engine_code".to_owned(), short(h));
+        for (name, version) in [
+            ("torch", &report.torch),
+            ("transformers", &report.transformers),
+        ] {
+            code.insert(name.to_owned(), version.clone().unwrap_or_default());
+        }
+    }
+    Ok(code)
+}
+
+/// The `.py` files under `package` (its subpackages too, not `__pycache__`), by their path
+/// inside it, in order.
+fn package_files(package: &Path) -> Result<Vec<(String, Vec<u8>)>, String> {
+    const MOST: usize = 10_000;
+    let mut files = Vec::new();
+    let mut dirs = vec![package.to_path_buf()];
+    while let Some(dir) = dirs.pop() {
+        let at = |e: std::io::Error| format!("the torch engine's package {}: {e}", dir.display());
+        for entry in std::fs::read_dir(&dir).map_err(at)? {
+            let entry = entry.map_err(at)?;
+            let path = entry.path();
+            let kind = entry.file_type().map_err(at)?;
+            if kind.is_dir() && entry.file_name() != "__pycache__" {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "py") && !kind.is_dir() {
+                let name = path
+                    .strip_prefix(package)
+                    .unwrap_or(&path)
+                    .to_string_lossy()
+                    .into_owned();
+                files.push((name, std::fs::read(&path).map_err(at)?));
+            }
+            if files.len() + dirs.len() > MOST {
+                return Err(format!(
+                    "the torch engine's package {} holds more than {MOST} files",
+                    package.display()
+                ));
+            }
+        }
+    }
+    files.sort();
+    Ok(files)
 }
 
 /// Starts (or resumes) the run in `run_dir` with `config` and drives it to its end. On resume,
@@ -410,11 +512,13 @@ pub fn launch(
         planner,
         rings,
         prom,
+        rendezvous,
+        code,
     } = prepare(config, run_dir_path, resume)?;
     let joined = config
         .nodes
         .as_ref()
-        .map(|n| join_nodes(n, &config, topology.drafters, resume))
+        .map(|n| join_nodes(n, &config, (topology.drafters, resume), code, rendezvous))
         .transpose()?;
     let journal_path = run_dir::journal(run_dir_path);
     // From here on, the guard undoes what is created.
@@ -572,6 +676,10 @@ pub fn launch(
                     .is_none()
                     .then(|| workers::drafter_store_dir(run_dir_path)),
                 starts: 0,
+                key: share.and_then(|(_, port)| {
+                    let secret = config.nodes.as_ref()?.secret.as_ref()?;
+                    Some(secret.drafters_key(port))
+                }),
             },
         ),
     };

@@ -291,6 +291,8 @@ pub const OPTIONS: &[(&str, &[&str], OnResume)] = &[
             }
         }),
     ),
+    // The secret is read anew by every launch and never journaled.
+    ("rendezvous-secret-file", &[], NotRun),
     ("run-dir", &[], NotRun),
     ("resume", &[], NotRun),
     ("dry-run", &[], NotRun),
@@ -575,6 +577,7 @@ mod tests {
             rank: 1,
             rendezvous: "node0:29400".into(),
             timeout_s: 300.0,
+            secret: None,
         });
         let full = serde_json::to_value(&with_everything).unwrap();
         for (flag, path, on) in OPTIONS {

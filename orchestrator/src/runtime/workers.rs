@@ -54,6 +54,9 @@ pub struct DrafterGroup {
     pub store_dir: Option<PathBuf>,
     /// Starts so far: each start's store is a new file.
     pub starts: u64,
+    /// With several nodes: the key of the store at `host:port` (hex, derived from the run's
+    /// secret), handed to the drafters as `DFLASH_DRAFTERS_KEY`.
+    pub key: Option<String>,
 }
 
 /// This node's drafters among every node's: ranks `base..base + ranks` of `world`, meeting at
@@ -374,6 +377,9 @@ pub fn spawn(
             .env(ranks_var, world.to_string())
             .env(rendezvous_var, group.rendezvous())
             .env(timeout_var, group.timeout_s.to_string());
+        if let Some(key) = &group.key {
+            command.env("DFLASH_DRAFTERS_KEY", key);
+        }
         if let Some(share) = group.nodes {
             let [local_var, resume_var] = dflash_common::dflash::DrafterRank::NODE_ENV;
             command
