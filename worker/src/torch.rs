@@ -934,10 +934,13 @@ mod tests {
         )
         .unwrap();
         std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
-        TorchChild::start(&TorchRuntime {
-            python: script,
-            package_dir: None,
-        })
+        TorchChild::start(
+            &TorchRuntime {
+                python: script,
+                package_dir: None,
+            },
+            dir,
+        )
         .unwrap()
     }
 
