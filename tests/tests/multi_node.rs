@@ -396,6 +396,31 @@ fn nodes_refuse_what_would_train_different_runs() {
     );
     assert!(!run_dir.exists());
 
+    // A node 1 that holds the secret but says its hello only after node 0's deadline: its open
+    // handshake does not hold node 0 past the deadline, and node 0 ends its wait naming the
+    // missing node, creates nothing, and never sends the late node a go.
+    let port = free_port();
+    let late = dir.path().join("late");
+    let zero = node(
+        &late,
+        &target,
+        0,
+        port,
+        &secret,
+        &["--rendezvous-timeout", "4"],
+    )
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let (zero_out, answer) = tardy_node(port, &secret, zero);
+    assert_refused(&zero_out, 2, "waited 4 s (--rendezvous-timeout)");
+    assert_refused(&zero_out, 2, "nodes [1] of 2 did not join");
+    assert!(
+        !answer.contains("\"go\""),
+        "the late node was answered: {answer}"
+    );
+    assert!(!late.exists(), "nothing is created");
+
     let taken = TcpListener::bind("127.0.0.1:0").unwrap();
     let port = taken.local_addr().unwrap().port();
     let out = node(&run_dir, &target, 0, port, &secret, &timeout)
@@ -421,6 +446,48 @@ fn nodes_refuse_what_would_train_different_runs() {
     .unwrap();
     assert_refused(&out, 1, "this machine has no such address");
     assert!(!run_dir.exists());
+}
+
+/// Node 1 of the run, late: it reaches node 0 (a child spawned with piped stderr), reads its
+/// challenge, waits until node 0 has ended, then sends a hello that proves the secret. Node 0's
+/// output, and whatever node 0 answered the hello with (the empty string when nothing).
+fn tardy_node(port: u16, secret: &Path, zero: Child) -> (Output, String) {
+    use dflash_orch::runtime::nodes::{Hello, nonce, parse_challenge, seal_hello};
+    use std::io::{BufRead, BufReader, Read, Write};
+    let secret = dflash_orch::runtime::nodes::Secret::read(secret).unwrap();
+    let until = Instant::now() + Duration::from_secs(120);
+    let stream = loop {
+        match std::net::TcpStream::connect(("127.0.0.1", port)) {
+            Ok(s) => break s,
+            Err(e) => {
+                assert!(Instant::now() < until, "node 0 never listened: {e}");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    };
+    stream
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    let mut reader = BufReader::new(stream.try_clone().unwrap());
+    let mut line = Vec::new();
+    reader.read_until(b'\n', &mut line).unwrap();
+    let (challenge, node0_nonce) = parse_challenge(&line).unwrap();
+    let out = zero.wait_with_output().unwrap();
+    let hello = Hello {
+        version: challenge.version,
+        node: 1,
+        nodes: 2,
+        drafters: 1,
+        run: Default::default(),
+        checkpoints: vec![],
+        resume: false,
+    };
+    let line = seal_hello(&secret, &node0_nonce, &nonce().unwrap(), &hello).unwrap();
+    // Node 0 has exited: the write may fail, and nothing can answer.
+    let _ = (&stream).write_all(&line);
+    let mut answer = Vec::new();
+    let _ = reader.read_to_end(&mut answer);
+    (out, String::from_utf8_lossy(&answer).into_owned())
 }
 
 /// The run's secret and the link's peers: a launch of several nodes without a secret, or with

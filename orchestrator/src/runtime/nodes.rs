@@ -1746,6 +1746,50 @@ mod tests {
         );
     }
 
+    /// A hello that proves the secret but arrives after node 0's deadline starts nothing: node 0
+    /// ends its wait with the timeout, naming the missing node, and the late node never gets a
+    /// `go` (its link is closed or refused).
+    #[test]
+    fn a_hello_after_node_0s_deadline_is_refused() {
+        let port = free_port();
+        let host = std::thread::spawn(move || join(&config(2, 0, port, 1.0), hello(0), None));
+        let until = Instant::now() + Duration::from_secs(20);
+        let stream = loop {
+            match TcpStream::connect(("127.0.0.1", port)) {
+                Ok(s) => break s,
+                Err(e) => {
+                    assert!(Instant::now() < until, "node 0 never listened: {e}");
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            }
+        };
+        stream
+            .set_read_timeout(Some(Duration::from_secs(20)))
+            .unwrap();
+        let mut reader = BufReader::new(stream.try_clone().unwrap());
+        let line = read_line(&mut reader, MAX_HANDSHAKE_LINE).unwrap().unwrap();
+        let (_, node0_nonce) = parse_challenge(&line).unwrap();
+        // Past node 0's deadline, whose wait has ended by now.
+        while !host.is_finished() {
+            assert!(Instant::now() < until, "node 0 waited past its deadline");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let e = host.join().unwrap().err().unwrap();
+        assert!(
+            e.contains("--rendezvous-timeout") && e.contains("nodes [1] of 2 did not join"),
+            "{e}"
+        );
+        let ours = nonce().unwrap();
+        let line = seal_hello(&secret(7), &node0_nonce, &ours, &hello(1)).unwrap();
+        // The write may land in a closed socket's buffer, or fail: either way nothing reads it.
+        let _ = (&stream).write_all(&line);
+        let mut opener = Session::new(&secret(7), &node0_nonce, &ours).node().1;
+        if let Ok(Some(answer)) = read_line(&mut reader, MAX_LINE) {
+            let m = opener.open(&answer);
+            assert!(!matches!(m, Ok(Message::Go { .. })), "{m:?}");
+        }
+    }
+
     fn hello_of(node: u32, nodes: u32) -> Hello {
         Hello {
             nodes,
