@@ -144,7 +144,7 @@ fn data_parallel_drafters_repeat_to_the_bit_and_agree_with_one_drafter() {
 fn a_killed_drafter_rank_restarts_the_group_and_loses_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let target = tiny_target(dir.path());
-    let longer = ["--epochs", "4"];
+    let longer = ["--epochs", "3"];
     let reference = dir.path().join("reference");
     finish(
         launch(&reference, &target, (2, 2), &longer)
