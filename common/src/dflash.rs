@@ -34,6 +34,9 @@ pub struct DflashSettings {
     /// Share of distillation in the `mix` loss (the rest is cross-entropy).
     #[serde(default = "default_kd_weight")]
     pub kd_weight: f64,
+    /// The `dpace` loss's smoothing α of the drafter's probabilities, `(1 - α)·q + α`.
+    #[serde(default = "default_dpace_alpha")]
+    pub dpace_alpha: f64,
     pub weight_decay: f64,
     /// Seed of the drafter's initial weights and of every step's anchors.
     pub seed: u64,
@@ -234,6 +237,10 @@ fn default_kd_weight() -> f64 {
     0.5
 }
 
+fn default_dpace_alpha() -> f64 {
+    0.5
+}
+
 /// `--loss`: what the drafter learns from.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -245,6 +252,10 @@ pub enum LossKind {
     Kd,
     /// `kd_weight` of distillation, the rest cross-entropy.
     Mix,
+    /// Cross-entropy on the data's next tokens, each block position weighted by the detached
+    /// probability that the drafter's block survives up to it and past it (D-PACE): see
+    /// [`dpace_weights`].
+    Dpace,
 }
 
 impl LossKind {
@@ -253,6 +264,7 @@ impl LossKind {
             LossKind::Ce => "ce",
             LossKind::Kd => "kd",
             LossKind::Mix => "mix",
+            LossKind::Dpace => "dpace",
         }
     }
 }
@@ -264,9 +276,43 @@ impl std::str::FromStr for LossKind {
             "ce" => Ok(LossKind::Ce),
             "kd" => Ok(LossKind::Kd),
             "mix" => Ok(LossKind::Mix),
-            other => Err(format!("{other:?} is not ce, kd or mix")),
+            "dpace" => Ok(LossKind::Dpace),
+            other => Err(format!("{other:?} is not ce, kd, mix or dpace")),
         }
     }
+}
+
+/// D-PACE's weights of `blocks` blocks of `block` positions (row-major, as the loss lays them
+/// out): `q` is the drafter's probability of each position's label and `counted` whether the
+/// position counts in the loss. Per block, the smoothed `q̃ = (1 - α)·q + α` of the counted
+/// positions (1 elsewhere, so an uncounted position does not break the chain) make the prefix
+/// products `C_k = q̃_1 ⋯ q̃_k`, and a counted position weighs the suffix sum `C_k + … + C_last`
+/// over the counted positions from it on: the expected number of drafted tokens its being right
+/// keeps alive. Uncounted positions weigh 0. The weights are constants of the step (no gradient
+/// flows through them). Computed in f64.
+pub fn dpace_weights(q: &[f64], counted: &[bool], block: usize, alpha: f64) -> Vec<f64> {
+    let mut out = vec![0.0; q.len()];
+    if block == 0 {
+        return out;
+    }
+    for (b, (qs, cs)) in q.chunks(block).zip(counted.chunks(block)).enumerate() {
+        let mut prefix = Vec::with_capacity(qs.len());
+        let mut c = 1.0;
+        for (&qk, &on) in qs.iter().zip(cs) {
+            if on {
+                c *= (1.0 - alpha) * qk + alpha;
+            }
+            prefix.push(c);
+        }
+        let mut suffix = 0.0;
+        for k in (0..qs.len()).rev() {
+            if cs[k] {
+                suffix += prefix[k];
+                out[b * block + k] = suffix;
+            }
+        }
+    }
+    out
 }
 
 /// The published DFlash recipe's loss decay for a block size: γ = 7 for blocks of 16, 4 for
@@ -898,6 +944,15 @@ impl DflashSettings {
         if !(0.0..=1.0).contains(&self.kd_weight) {
             return Err("--kd-weight must be in [0, 1]".into());
         }
+        if !(0.0..=1.0).contains(&self.dpace_alpha) {
+            return Err("--dpace-alpha must be in [0, 1]".into());
+        }
+        if self.loss == LossKind::Dpace && self.gamma.is_some() {
+            return Err(
+                "--loss dpace weighs the block positions itself: --gamma must be auto or none"
+                    .into(),
+            );
+        }
         if self.anchor_chunk == Some(0) {
             return Err("--anchor-chunk must be at least 1".into());
         }
@@ -910,10 +965,15 @@ impl DflashSettings {
     /// The distillation's share of the loss and its temperature, when the loss distils.
     pub fn distill(&self) -> Option<(f64, f64)> {
         match self.loss {
-            LossKind::Ce => None,
+            LossKind::Ce | LossKind::Dpace => None,
             LossKind::Kd => Some((1.0, self.kd_temperature)),
             LossKind::Mix => Some((self.kd_weight, self.kd_temperature)),
         }
+    }
+
+    /// The `dpace` loss's α, when the loss is D-PACE.
+    pub fn dpace(&self) -> Option<f64> {
+        (self.loss == LossKind::Dpace).then_some(self.dpace_alpha)
     }
 
     /// Width of a token's features: the hidden states of every target layer id, concatenated,
@@ -1029,14 +1089,97 @@ mod tests {
     }
 
     #[test]
+    fn dpace_weights_follow_the_definition() {
+        // The definition, written out: w_k = sum over counted m >= k of the product over
+        // counted i <= m of (1 - α)·q_i + α, for counted k; 0 otherwise.
+        fn reference(q: &[f64], counted: &[bool], alpha: f64) -> Vec<f64> {
+            let n = q.len();
+            (0..n)
+                .map(|k| {
+                    if !counted[k] {
+                        return 0.0;
+                    }
+                    (k..n)
+                        .filter(|&m| counted[m])
+                        .map(|m| {
+                            (0..=m)
+                                .filter(|&i| counted[i])
+                                .map(|i| (1.0 - alpha) * q[i] + alpha)
+                                .product::<f64>()
+                        })
+                        .sum()
+                })
+                .collect()
+        }
+        let block = 5;
+        // Position 0 of each block (the anchor) never counts.
+        let all = [false, true, true, true, true];
+        let cases: Vec<(Vec<f64>, [bool; 5])> = vec![
+            (vec![0.3, 1.0, 1.0, 1.0, 1.0], all),
+            (vec![0.9, 0.0, 0.0, 0.0, 0.0], all),
+            (vec![0.5, 0.8, 0.0, 0.6, 0.4], all),
+            (
+                vec![0.5, 0.8, 0.1, 0.6, 0.4],
+                [false, true, false, true, false],
+            ),
+            (vec![0.2, 0.7, 0.3, 0.9, 0.5], [false; 5]),
+        ];
+        for alpha in [0.0, 0.5, 0.25, 1.0] {
+            let (mut q, mut counted) = (vec![], vec![]);
+            for (qs, cs) in &cases {
+                q.extend_from_slice(qs);
+                counted.extend_from_slice(cs);
+            }
+            let got = dpace_weights(&q, &counted, block, alpha);
+            for (b, (qs, cs)) in cases.iter().enumerate() {
+                let want = reference(qs, cs, alpha);
+                for k in 0..block {
+                    let g = got[b * block + k];
+                    assert!(
+                        (g - want[k]).abs() < 1e-12,
+                        "α {alpha} block {b} k {k}: {g} vs {}",
+                        want[k]
+                    );
+                }
+            }
+        }
+        // By hand: all ones, α 0.5: C = 1 everywhere, w = 4, 3, 2, 1.
+        assert_eq!(
+            dpace_weights(&[1.0; 5], &all, 5, 0.5),
+            vec![0.0, 4.0, 3.0, 2.0, 1.0]
+        );
+        // All zero, α 0.5: C = 0.5, 0.25, 0.125, 0.0625.
+        assert_eq!(
+            dpace_weights(&[0.0; 5], &all, 5, 0.5),
+            vec![0.0, 0.9375, 0.4375, 0.1875, 0.0625]
+        );
+        // A zero in the middle with α 0: nothing after it weighs anything.
+        assert_eq!(
+            dpace_weights(&[1.0, 1.0, 0.0, 1.0, 1.0], &all, 5, 0.0),
+            vec![0.0, 1.0, 0.0, 0.0, 0.0]
+        );
+        // A masked position in the middle neither weighs nor breaks the chain.
+        assert_eq!(
+            dpace_weights(
+                &[1.0, 0.5, 0.0, 0.5, 1.0],
+                &[false, true, false, true, true],
+                5,
+                0.0
+            ),
+            vec![0.0, 1.0, 0.0, 0.5, 0.25]
+        );
+    }
+
+    #[test]
     fn loss_kinds_and_the_recipe_gammas() {
         assert_eq!("kd".parse::<LossKind>(), Ok(LossKind::Kd));
         assert_eq!(" mix".parse::<LossKind>(), Ok(LossKind::Mix));
         assert!(
             "KD".parse::<LossKind>()
                 .unwrap_err()
-                .contains("ce, kd or mix")
+                .contains("ce, kd, mix or dpace")
         );
+        assert_eq!("dpace".parse::<LossKind>(), Ok(LossKind::Dpace));
         assert_eq!((default_gamma(16), default_gamma(8)), (7.0, 4.0));
         assert_eq!((default_gamma(4), default_gamma(2)), (2.0, 1.0));
     }

@@ -74,6 +74,21 @@ def block_weights(loss_mask, anchors, block, gamma):
     return torch.tensor(out, dtype=torch.float32)
 
 
+def dpace_weights(q, counted, block, alpha):
+    """D-PACE's weights of rows of `block` positions (`q`: the drafter's probability of each
+    position's label, `counted`: whether it counts), as `dflash_common::dflash::dpace_weights`
+    computes them: per block, the smoothed (1 - alpha) * q + alpha of the counted positions (1
+    elsewhere) make inclusive prefix products C_k, and a counted position weighs the sum of C_m
+    over the counted m >= k; uncounted positions weigh 0. In f64, without gradient."""
+    with torch.no_grad():
+        q = q.detach().to(torch.float64).view(-1, block)
+        on = counted.view(-1, block)
+        smoothed = torch.where(on, (1.0 - alpha) * q + alpha, torch.ones_like(q))
+        prefix = torch.cumprod(smoothed, dim=1) * on
+        suffix = torch.flip(torch.cumsum(torch.flip(prefix, [1]), dim=1), [1])
+        return (suffix * on).view(-1)
+
+
 def param_names(layers):
     """The drafter's weight names in the candle drafter's order (`DrafterConfig::tensors`)."""
     names = ["fc.weight", "hidden_norm.weight"]
@@ -149,6 +164,8 @@ class TorchDrafter:
         self.mask_token = int(req["mask_token_id"])
         self.states = int(req["states"])
         self.gamma = req.get("gamma")
+        dpace = req.get("dpace_alpha")
+        self.dpace = None if dpace is None else float(dpace)
         distill = req.get("distill")
         self.distill = (float(distill[0]), float(distill[1])) if distill else None
         self.chunk = req.get("anchor_chunk") or None
@@ -373,6 +390,8 @@ class TorchDrafter:
             rows = torch.tensor([min(max(p + k - 1, 0), last) for p in anchors for k in range(b)],
                                 dtype=torch.long, device=self.device)
             taught = teacher[rows].to(self.compute)
+        if self.dpace is not None:
+            return self._dpace_loss(x, targets, weights, a, b)
         step = self.loss_rows
         totals, predicted = [], []
         for i in range(0, a * b, step):
@@ -390,6 +409,37 @@ class TorchDrafter:
             counted = (weights > 0).view(a, b)
             hit = ((torch.cat(predicted) == targets).view(a, b) & counted)
         return total, float(weights.double().sum()), hit.sum(0), counted.sum(0)
+
+    def _dpace_loss(self, x, targets, weights, a, b):
+        """`chunk_loss` under D-PACE: every position's cross-entropy first (checkpointed by
+        pieces of rows as there), then the whole blocks' weights from their detached
+        probabilities, times the positions' own (1 or 0) weights."""
+        step = self.loss_rows
+        per, predicted = [], []
+        for i in range(0, a * b, step):
+            piece = slice(i, i + step)
+            if a * b > step:
+                ce, argmax = checkpoint(self._rows_ce, x[piece], targets[piece],
+                                        use_reentrant=False)
+            else:
+                ce, argmax = self._rows_ce(x[piece], targets[piece])
+            per.append(ce)
+            predicted.append(argmax)
+        per = torch.cat(per)
+        counted = weights > 0
+        d = dpace_weights(torch.exp(-per.detach().to(torch.float64)), counted, b, self.dpace)
+        # Rounded to f32, as the candle drafter weighs.
+        w = (d * weights.to(torch.float64)).to(torch.float32)
+        total = (per * w).sum()
+        with torch.no_grad():
+            hit = ((torch.cat(predicted) == targets).view(a, b) & counted.view(a, b))
+        return total, float(weights.double().sum()), hit.sum(0), counted.view(a, b).sum(0)
+
+    def _rows_ce(self, x, targets):
+        """The cross-entropy of each of some block positions, and their greedy predictions."""
+        logits = F.linear(x, self.lm_head).float()
+        per = -F.log_softmax(logits, dim=-1).gather(1, targets.unsqueeze(1)).squeeze(1)
+        return per, logits.detach().argmax(-1)
 
     def _rows_loss(self, x, targets, weights, taught):
         """The weighted loss sum of some block positions (`x`: their final hidden states), and

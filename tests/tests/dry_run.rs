@@ -223,6 +223,14 @@ fn bad_dry_run_values_are_refused() {
         (vec!["--gpus", "cpu:2", "--loss", "mse"], "--loss"),
         (vec!["--gpus", "cpu:2", "--kd-weight", "1.5"], "--kd-weight"),
         (
+            vec!["--gpus", "cpu:2", "--loss", "dpace", "--dpace-alpha", "1.5"],
+            "--dpace-alpha",
+        ),
+        (
+            vec!["--gpus", "cpu:2", "--loss", "dpace", "--dpace-alpha", "nan"],
+            "--dpace-alpha",
+        ),
+        (
             vec!["--gpus", "cpu:2", "--kd-temperature", "0"],
             "--kd-temperature",
         ),
@@ -233,6 +241,16 @@ fn bad_dry_run_values_are_refused() {
     ] {
         assert_refused(&dry_run(&target, &run_dir, &flags), 2, needle);
     }
+    // A decay beside D-PACE, which weighs the positions itself: what a launch would refuse.
+    assert_refused(
+        &dry_run(
+            &target,
+            &run_dir,
+            &["--gpus", "cpu:2", "--loss", "dpace", "--gamma", "4"],
+        ),
+        1,
+        "--loss dpace weighs the block positions itself: --gamma must be auto or none",
+    );
     // --json and --gpu-memory belong to --dry-run.
     assert_refused(
         &orch(&[

@@ -252,6 +252,39 @@ fn the_engines_train_alike_from_the_same_plan() {
             .unwrap(),
     );
     assert_losses_agree(&losses(&pieces), &losses(&candle), 30, 1e-4);
+
+    // D-PACE, with anchor chunks, and on torch with the loss in checkpointed pieces of rows
+    // that cut through blocks (the weights are made per whole block).
+    let dpace = [
+        "--loss",
+        "dpace",
+        "--dpace-alpha",
+        "0.3",
+        "--anchor-chunk",
+        "5",
+    ];
+    let candle_dpace = dir.path().join("candle-dpace");
+    let torch_dpace = dir.path().join("torch-dpace");
+    finish(
+        launch(&candle_dpace, &target, "candle", &dpace)
+            .spawn()
+            .unwrap(),
+    );
+    finish(
+        launch(&torch_dpace, &target, "torch", &dpace)
+            .env("DFLASH_LOSS_ROWS", "7")
+            .spawn()
+            .unwrap(),
+    );
+    let (d, plain) = (losses(&candle_dpace), losses(&dir.path().join("candle")));
+    assert_losses_agree(&losses(&torch_dpace), &d, 30, 1e-4);
+    // The same first step as the decay's run, weighed otherwise.
+    assert!(
+        (d[0].1 - plain[0].1).abs() > 0.01 * plain[0].1,
+        "D-PACE's first loss {} is the decay's {}",
+        d[0].1,
+        plain[0].1
+    );
 }
 
 /// `launch --dry-run` plans each worker on its own engine: a torch target holds the whole model

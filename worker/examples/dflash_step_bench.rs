@@ -243,6 +243,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             Objective {
                 gamma: args.gamma,
                 distill: None,
+                dpace: None,
             },
             args.anchor_chunk,
             (args.clip, lr),

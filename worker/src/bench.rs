@@ -220,6 +220,7 @@ pub fn drafter_bench(b: &DrafterBench, device: &Device) -> Result<Value, String>
             Objective {
                 gamma: b.gamma,
                 distill: None,
+                dpace: None,
             },
             b.anchor_chunk,
             (1.0, 6e-4),

@@ -481,6 +481,7 @@ fn objective(settings: &DflashSettings) -> Objective {
     Objective {
         gamma: settings.gamma,
         distill: settings.distill(),
+        dpace: settings.dpace(),
     }
 }
 

@@ -457,6 +457,7 @@ impl DrafterEngine {
             "states": config.target_layer_ids.len(),
             "gamma": settings.gamma,
             "distill": settings.distill(),
+            "dpace_alpha": settings.dpace(),
             "anchor_chunk": settings.anchor_chunk,
             "weight_decay": settings.weight_decay,
             "dtype": settings.dtype.name(),

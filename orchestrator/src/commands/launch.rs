@@ -210,9 +210,11 @@ pub struct DflashFlags {
 
     /// The loss: ce (cross-entropy on the data's next tokens), kd (distillation of the target's
     /// next-token distribution at each block position: the target workers also hand over their
-    /// last hidden state, and the drafter applies the frozen lm_head), or mix (--kd-weight of kd,
-    /// the rest ce).
-    #[arg(long, value_name = "ce|kd|mix", default_value = "ce")]
+    /// last hidden state, and the drafter applies the frozen lm_head), mix (--kd-weight of kd,
+    /// the rest ce), or dpace (D-PACE: ce with each block position weighted by the detached
+    /// probability that the drafter's block survives to it and past it, smoothed by
+    /// --dpace-alpha; it replaces the --gamma decay, which must stay auto or none).
+    #[arg(long, value_name = "ce|kd|mix|dpace", default_value = "ce")]
     pub loss: dflash_common::dflash::LossKind,
 
     /// Temperature of the target's distribution that kd teaches (above 0, at most 100). Only the
@@ -225,6 +227,12 @@ pub struct DflashFlags {
     /// Share of distillation in --loss mix; 0 to 1.
     #[arg(long, value_name = "W", default_value_t = 0.5, value_parser = options::real(0.0, 1.0, ""))]
     pub kd_weight: f64,
+
+    /// D-PACE's smoothing of the drafter's probabilities, (1 - ALPHA)·q + ALPHA, in --loss
+    /// dpace; 0 to 1 (1 makes every weight the count of the positions from it to the block's
+    /// end).
+    #[arg(long, value_name = "ALPHA", default_value_t = 0.5, value_parser = options::real(0.0, 1.0, ""))]
+    pub dpace_alpha: f64,
 
     /// AdamW weight decay; 0 to 1.
     #[arg(long, value_name = "WD", default_value_t = 0.01, value_parser = options::real(0.0, 1.0, ""))]
@@ -342,10 +350,15 @@ impl DflashFlags {
             lr: self.lr,
             warmup_ratio: self.warmup_ratio,
             clip: self.clip,
-            gamma: self.gamma.resolve(usize::from(self.block_size)),
+            // D-PACE replaces the decay: `auto` is none there (a value is refused).
+            gamma: match (self.loss, self.gamma) {
+                (dflash_common::dflash::LossKind::Dpace, options::GammaChoice::Auto) => None,
+                (_, gamma) => gamma.resolve(usize::from(self.block_size)),
+            },
             loss: self.loss,
             kd_temperature: self.kd_temperature,
             kd_weight: self.kd_weight,
+            dpace_alpha: self.dpace_alpha,
             weight_decay: self.weight_decay,
             seed,
             save_every: self.save_every,
@@ -397,6 +410,13 @@ pub fn config_from_args(
         .ok_or_else(|| CliError::Invalid("--gpus is required (e.g. --gpus 0-7 or cpu:3)".into()))?;
     if let Some(addr) = &args.metrics_addr {
         crate::observe::prom::parse_addr(addr).map_err(CliError::Invalid)?;
+    }
+    if args.dflash.loss == dflash_common::dflash::LossKind::Dpace
+        && matches!(args.dflash.gamma, options::GammaChoice::Is(_))
+    {
+        return Err(CliError::Invalid(
+            "--loss dpace weighs the block positions itself: --gamma must be auto or none".into(),
+        ));
     }
     let (data, synthetic) = match (&args.data, args.synthetic, stored) {
         (None, None, Some(s)) => (s.data.clone(), s.synthetic),

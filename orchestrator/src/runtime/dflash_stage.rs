@@ -272,9 +272,12 @@ pub(super) fn fingerprint(
         (
             "loss",
             // Runs from before the loss could distil keep their fingerprint.
-            digest([json(match settings.distill() {
-                None => serde_json::json!({ "gamma": settings.gamma }),
-                Some(_) => serde_json::json!({
+            digest([json(match (settings.distill(), settings.dpace()) {
+                (None, None) => serde_json::json!({ "gamma": settings.gamma }),
+                (None, Some(alpha)) => serde_json::json!({
+                    "gamma": settings.gamma, "loss": settings.loss, "dpace_alpha": alpha,
+                }),
+                (Some(_), _) => serde_json::json!({
                     "gamma": settings.gamma, "loss": settings.loss,
                     "kd_temperature": settings.kd_temperature, "kd_weight": settings.kd_weight,
                 }),

@@ -134,6 +134,7 @@ pub const OPTIONS: &[(&str, &[&str], OnResume)] = &[
     ("loss", &["dflash", "loss"], Compared),
     ("kd-temperature", &["dflash", "kd_temperature"], Compared),
     ("kd-weight", &["dflash", "kd_weight"], Compared),
+    ("dpace-alpha", &["dflash", "dpace_alpha"], Compared),
     ("weight-decay", &["dflash", "weight_decay"], Compared),
     ("save-every", &["dflash", "save_every"], Compared),
     (

@@ -120,6 +120,11 @@ pub struct Objective {
     /// temperature. The features then end with the target's last hidden state (after its final
     /// norm), `hidden` columns after the `n·hidden` of `target_layer_ids`.
     pub distill: Option<(f64, f64)>,
+    /// D-PACE (`--loss dpace`) with this α: each counted position's cross-entropy is weighted by
+    /// [`dflash_common::dflash::dpace_weights`] of the drafter's detached probabilities of the
+    /// labels. The loss is still divided by the number of counted positions (the weights of
+    /// `gamma: None`), which the stage knows before the forward pass.
+    pub dpace: Option<f64>,
 }
 
 /// The target's frozen matrices the drafter shares: its embedding and its output head, each
@@ -391,7 +396,24 @@ impl Drafter {
             per_position = ((per_position * (1.0 - share))? + (kd * share)?)?;
         }
         let total = weight_sum(&weights);
-        let w_t = Tensor::from_vec(weights.clone(), a * b, dev)?;
+        let scaled;
+        let weights_of_loss = match objective.dpace {
+            None => &weights,
+            Some(alpha) => {
+                // The drafter's probability of each label, detached: q = exp(-ce).
+                let ce = per_position.detach().to_vec1::<f32>()?;
+                let q: Vec<f64> = ce.iter().map(|&l| (-f64::from(l)).exp()).collect();
+                let counted: Vec<bool> = weights.iter().map(|&w| w > 0.0).collect();
+                let d = dflash_common::dflash::dpace_weights(&q, &counted, b, alpha);
+                scaled = d
+                    .iter()
+                    .zip(&weights)
+                    .map(|(&d, &w)| (d * f64::from(w)) as f32)
+                    .collect::<Vec<f32>>();
+                &scaled
+            }
+        };
+        let w_t = Tensor::from_vec(weights_of_loss.clone(), a * b, dev)?;
         let sum = per_position.mul(&w_t)?.sum_all()?;
         // Accuracy per block position.
         let predicted = logits.argmax(D::Minus1)?.to_vec1::<u32>()?;
@@ -878,10 +900,12 @@ mod tests {
     const UNIFORM: Objective = Objective {
         gamma: None,
         distill: None,
+        dpace: None,
     };
     const DECAY7: Objective = Objective {
         gamma: Some(7.0),
         distill: None,
+        dpace: None,
     };
     use crate::train::grads_of;
 
@@ -1034,6 +1058,7 @@ mod tests {
         let objective = |share: f64| Objective {
             gamma: Some(7.0),
             distill: Some((share, 2.0)),
+            dpace: None,
         };
         let on = |toks: &[u32], f: &Tensor, o: Objective| {
             drafter
@@ -1069,6 +1094,7 @@ mod tests {
         let one_t = |share| Objective {
             gamma: Some(7.0),
             distill: Some((share, 1.0)),
+            dpace: None,
         };
         let taught = loss_of(&sure, one_t(1.0));
         assert!((taught - ce).abs() < 1e-3 * ce, "kd {taught} vs ce {ce}");
@@ -1090,6 +1116,7 @@ mod tests {
         let cold = Objective {
             gamma: Some(7.0),
             distill: Some((1.0, 1e-3)),
+            dpace: None,
         };
         let (kd_cold, ce_greedy) = (
             on(&greedy, &with_teacher, cold),
