@@ -407,13 +407,21 @@ mod tests {
             .spawn()
             .unwrap();
         let me = std::process::id();
+        // Until the child has exec'd it may still be the fork of this process; wait for `sleep`.
+        let comm = format!("/proc/{}/comm", child.id());
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::fs::read_to_string(&comm).unwrap_or_default().trim() != "sleep" {
+            assert!(Instant::now() < deadline, "the child never became `sleep`");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        // The peak only grows, so this process's peak before the tick bounds the one it reads.
+        let own = peak_rss(me).unwrap();
         let mut m = Monitor::new(Err("no GPUs".into()), Duration::from_millis(10));
         let t = m.tick(&[], &[(0, "drafter", me)]);
         let _ = child.kill();
         let _ = child.wait();
         let sample = &t.processes[0];
         assert!(sample.children.contains(&child.id()), "{sample:?}");
-        let own = peak_rss(me).unwrap();
         assert!(sample.peak_rss_bytes.unwrap() > own, "{sample:?} vs {own}");
         assert!(
             children_of(&[me])
