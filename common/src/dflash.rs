@@ -37,6 +37,18 @@ pub struct DflashSettings {
     /// The `dpace` loss's smoothing α of the drafter's probabilities, `(1 - α)·q + α`.
     #[serde(default = "default_dpace_alpha")]
     pub dpace_alpha: f64,
+    /// The drafter's architecture: DFlash, or DFlash2 (convolutions around every sublayer and a
+    /// candidate selector), whose sizes and selector training are `dflash2`.
+    #[serde(default)]
+    pub drafter_arch: DrafterArch,
+    /// DFlash2's sizes and its selector's training; read only with `drafter_arch: dflash2`.
+    #[serde(default)]
+    pub dflash2: Dflash2Settings,
+    /// Every drafter layer attends within this window (`sliding_attention` layers): a block
+    /// position sees the context and block keys less than this many positions from it. None:
+    /// full attention.
+    #[serde(default)]
+    pub sliding_window: Option<usize>,
     pub weight_decay: f64,
     /// Seed of the drafter's initial weights and of every step's anchors.
     pub seed: u64,
@@ -278,6 +290,73 @@ impl std::str::FromStr for LossKind {
             "mix" => Ok(LossKind::Mix),
             "dpace" => Ok(LossKind::Dpace),
             other => Err(format!("{other:?} is not ce, kd, mix or dpace")),
+        }
+    }
+}
+
+/// `--drafter-arch`: what the drafter is made of.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DrafterArch {
+    /// DFlash: Qwen3 decoder layers over the target's features, the target's head.
+    #[default]
+    Dflash,
+    /// DFlash2: DFlash with a grouped dynamic causal convolution before and after each
+    /// attention and MLP sublayer, and a candidate selector that rescores the head's top-K
+    /// tokens at each block position against the token before it (the official package's
+    /// `DFlash2DraftModel`).
+    Dflash2,
+}
+
+impl DrafterArch {
+    pub fn name(self) -> &'static str {
+        match self {
+            DrafterArch::Dflash => "dflash",
+            DrafterArch::Dflash2 => "dflash2",
+        }
+    }
+}
+
+impl std::str::FromStr for DrafterArch {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "dflash" => Ok(DrafterArch::Dflash),
+            "dflash2" => Ok(DrafterArch::Dflash2),
+            other => Err(format!("{other:?} is not dflash or dflash2")),
+        }
+    }
+}
+
+/// DFlash2's sizes (the checkpoint's `dflash_config` names) and how its selector trains.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Dflash2Settings {
+    /// Taps of each convolution (the current position and the ones before it in the block).
+    pub conv_kernel_size: usize,
+    /// Channels sharing one dynamic kernel tap; divides the hidden size.
+    pub conv_group_size: usize,
+    /// Candidates the selector rescores at each block position: the head's top K.
+    pub selector_top_k: usize,
+    /// Width of the selector's codebooks and hidden projection.
+    pub selector_rank: usize,
+    /// Weight of the selector's loss beside the drafter's own, per block position.
+    pub selector_loss_weight: f64,
+    /// The selector's loss trains the selector's weights only (the head's logits and the final
+    /// hidden states it reads are detached); otherwise it trains the whole drafter.
+    pub selector_stop_gradient: bool,
+}
+
+impl Default for Dflash2Settings {
+    /// The published DFlash2 drafters' sizes; the selector's loss at weight 1 into the whole
+    /// drafter.
+    fn default() -> Self {
+        Self {
+            conv_kernel_size: 2,
+            conv_group_size: 16,
+            selector_top_k: 16,
+            selector_rank: 256,
+            selector_loss_weight: 1.0,
+            selector_stop_gradient: false,
         }
     }
 }
@@ -956,6 +1035,54 @@ impl DflashSettings {
         if self.anchor_chunk == Some(0) {
             return Err("--anchor-chunk must be at least 1".into());
         }
+        if self.sliding_window == Some(0) {
+            return Err("--sliding-window must be at least 1".into());
+        }
+        if let Some(d) = self.dflash2() {
+            let hidden = target.hidden_size;
+            if d.conv_kernel_size == 0 || d.conv_kernel_size > self.block_size {
+                return Err(format!(
+                    "--conv-kernel-size {} must be from 1 to the block size {}",
+                    d.conv_kernel_size, self.block_size
+                ));
+            }
+            if d.conv_group_size == 0 || !hidden.is_multiple_of(d.conv_group_size) {
+                return Err(format!(
+                    "--conv-group-size {} does not divide the hidden size {hidden}",
+                    d.conv_group_size
+                ));
+            }
+            if d.selector_top_k == 0 || d.selector_top_k > target.vocab_size {
+                return Err(format!(
+                    "--selector-top-k {} must be from 1 to the vocabulary's {} tokens",
+                    d.selector_top_k, target.vocab_size
+                ));
+            }
+            if d.selector_rank == 0 || d.selector_rank > 65_536 {
+                return Err(format!(
+                    "--selector-rank {} must be from 1 to 65536",
+                    d.selector_rank
+                ));
+            }
+            if !(0.0..=100.0).contains(&d.selector_loss_weight) {
+                return Err("--selector-loss-weight must be in [0, 100]".into());
+            }
+        }
+        // `auto` on GPU workers is decided later, and checked again then.
+        if !self.engine_auto && self.engines.drafter == Engine::Candle {
+            if self.drafter_arch == DrafterArch::Dflash2 {
+                return Err(
+                    "--drafter-arch dflash2 is trained by the torch engine only: pass --engine torch"
+                        .into(),
+                );
+            }
+            if self.sliding_window.is_some() {
+                return Err(
+                    "--sliding-window is trained by the torch engine only: pass --engine torch"
+                        .into(),
+                );
+            }
+        }
         if self.save_every == 0 || self.keep_checkpoints == 0 {
             return Err("--save-every and --keep-checkpoints must be at least 1".into());
         }
@@ -969,6 +1096,11 @@ impl DflashSettings {
             LossKind::Kd => Some((1.0, self.kd_temperature)),
             LossKind::Mix => Some((self.kd_weight, self.kd_temperature)),
         }
+    }
+
+    /// DFlash2's settings, when the drafter is a DFlash2.
+    pub fn dflash2(&self) -> Option<&Dflash2Settings> {
+        (self.drafter_arch == DrafterArch::Dflash2).then_some(&self.dflash2)
     }
 
     /// The `dpace` loss's α, when the loss is D-PACE.

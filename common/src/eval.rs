@@ -8,7 +8,9 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::dflash::{ModelDirError, Precision, Qwen3Config, Qwen3Shape, TorchRuntime};
+use crate::dflash::{
+    Dflash2Settings, ModelDirError, Precision, Qwen3Config, Qwen3Shape, TorchRuntime,
+};
 
 /// Version of [`EvalRequest`] and [`PromptResult`]; a worker refuses another.
 pub const EVAL_VERSION: u32 = 1;
@@ -31,6 +33,10 @@ pub struct DraftConfig {
     /// The target's hidden size, when the file says (it differs from `hidden_size` only for
     /// drafters narrower than their target, which this build does not train).
     pub target_hidden_size: Option<usize>,
+    /// A `DFlash2DraftModel`'s sizes (its selector's training fields at their defaults).
+    pub dflash2: Option<Dflash2Settings>,
+    /// The layers' attention window, when every layer is a `sliding_attention` one.
+    pub sliding_window: Option<usize>,
 }
 
 #[derive(Deserialize)]
@@ -57,6 +63,12 @@ struct RawDraftConfig {
     target_hidden_size: Option<usize>,
     #[serde(default)]
     dflash_config: Option<RawDflashFields>,
+    #[serde(default)]
+    layer_types: Option<Vec<String>>,
+    #[serde(default)]
+    sliding_window: Option<usize>,
+    #[serde(default)]
+    is_causal: Option<bool>,
 }
 
 #[derive(Deserialize, Default)]
@@ -67,6 +79,14 @@ struct RawDflashFields {
     mask_token_id: Option<u32>,
     #[serde(default)]
     target_layer_ids: Option<Vec<usize>>,
+    #[serde(default)]
+    conv_kernel_size: Option<usize>,
+    #[serde(default)]
+    conv_group_size: Option<usize>,
+    #[serde(default)]
+    selector_rank: Option<usize>,
+    #[serde(default)]
+    selector_top_k: Option<usize>,
 }
 
 impl DraftConfig {
@@ -82,13 +102,93 @@ impl DraftConfig {
     pub fn parse(text: &[u8]) -> Result<Self, String> {
         let raw: RawDraftConfig = serde_json::from_slice(text)
             .map_err(|e| format!("not a DFlash drafter config: {e}"))?;
-        if !raw.architectures.iter().any(|a| a == "DFlashDraftModel") {
+        let dflash2 = raw.architectures.iter().any(|a| a == "DFlash2DraftModel");
+        if !dflash2 && !raw.architectures.iter().any(|a| a == "DFlashDraftModel") {
             return Err(format!(
-                "architectures {:?} does not name DFlashDraftModel",
+                "architectures {:?} names neither DFlashDraftModel nor DFlash2DraftModel",
                 raw.architectures
             ));
         }
         let fields = raw.dflash_config.unwrap_or_default();
+        let dflash2 = if dflash2 {
+            let need = |name: &str, value: Option<usize>, hi: usize| {
+                let v = value.ok_or(format!(
+                    "a DFlash2DraftModel config needs dflash_config.{name}"
+                ))?;
+                if (1..=hi).contains(&v) {
+                    Ok(v)
+                } else {
+                    Err(format!(
+                        "dflash_config.{name} {v} is out of range (1 to {hi})"
+                    ))
+                }
+            };
+            let d = Dflash2Settings {
+                conv_kernel_size: need(
+                    "conv_kernel_size",
+                    fields.conv_kernel_size,
+                    MAX_BLOCK_SIZE,
+                )?,
+                conv_group_size: need("conv_group_size", fields.conv_group_size, 1 << 16)?,
+                selector_rank: need("selector_rank", fields.selector_rank, 65_536)?,
+                selector_top_k: need("selector_top_k", fields.selector_top_k, 1 << 24)?,
+                ..Dflash2Settings::default()
+            };
+            if !raw.hidden_size.is_multiple_of(d.conv_group_size) {
+                return Err(format!(
+                    "dflash_config.conv_group_size {} does not divide hidden_size {}",
+                    d.conv_group_size, raw.hidden_size
+                ));
+            }
+            if d.selector_top_k > raw.vocab_size {
+                return Err(format!(
+                    "dflash_config.selector_top_k {} exceeds vocab_size {}",
+                    d.selector_top_k, raw.vocab_size
+                ));
+            }
+            Some(d)
+        } else {
+            None
+        };
+        // Layer types as the official package reads them: a sliding layer is causal unless
+        // `is_causal` says otherwise. Every layer of one kind, and blocks that see themselves
+        // whole, are what this build decodes.
+        let types = raw.layer_types.clone().unwrap_or_default();
+        let sliding = types.iter().filter(|t| *t == "sliding_attention").count();
+        if let Some(other) = types
+            .iter()
+            .find(|t| *t != "sliding_attention" && *t != "full_attention")
+        {
+            return Err(format!(
+                "layer_types names {other:?}, not full_attention or sliding_attention"
+            ));
+        }
+        if !types.is_empty() && types.len() != raw.num_hidden_layers {
+            return Err(format!(
+                "layer_types has {} entries for {} layers",
+                types.len(),
+                raw.num_hidden_layers
+            ));
+        }
+        if sliding != 0 && sliding != types.len() {
+            return Err("layer_types mixes full_attention and sliding_attention layers, which this build does not decode".into());
+        }
+        let sliding_window = if sliding > 0 {
+            let w = raw
+                .sliding_window
+                .ok_or("sliding_attention layers need sliding_window")?;
+            if !(1..=1 << 24).contains(&w) {
+                return Err(format!(
+                    "sliding_window {w} is out of range (1 to 16777216)"
+                ));
+            }
+            Some(w)
+        } else {
+            None
+        };
+        if raw.is_causal.unwrap_or(sliding > 0) {
+            return Err("the drafter's attention is causal within its block (is_causal, or sliding layers without is_causal: false), which this build does not decode".into());
+        }
         let top = raw.top;
         let block_size = fields.block_size.or(top.block_size).unwrap_or(16);
         let mask_token_id = fields
@@ -192,6 +292,8 @@ impl DraftConfig {
             target_layer_ids,
             num_target_layers: raw.num_target_layers,
             target_hidden_size: raw.target_hidden_size,
+            dflash2,
+            sliding_window,
         })
     }
 

@@ -89,8 +89,9 @@ def dpace_weights(q, counted, block, alpha):
         return (suffix * on).view(-1)
 
 
-def param_names(layers):
-    """The drafter's weight names in the candle drafter's order (`DrafterConfig::tensors`)."""
+def param_names(layers, dflash2=False):
+    """The drafter's weight names in the candle drafter's order (`DrafterConfig::tensors`),
+    DFlash2's own after them (`dflash2_tensors`)."""
     names = ["fc.weight", "hidden_norm.weight"]
     for i in range(layers):
         names += [f"layers.{i}.{n}" for n in (
@@ -99,7 +100,34 @@ def param_names(layers):
             "self_attn.k_norm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
             "mlp.up_proj.weight", "mlp.down_proj.weight")]
     names.append("norm.weight")
+    if dflash2:
+        for i in range(layers):
+            for conv in ("attention_conv", "mlp_conv"):
+                names += [f"layers.{i}.{conv}.base_kernel",
+                          f"layers.{i}.{conv}.kernel_projection.weight"]
+        names += [SELECTOR + "hidden_projection.weight", SELECTOR + "predecessor_codebook",
+                  SELECTOR + "successor_codebook"]
     return names
+
+
+SELECTOR = "candidate_selector."
+
+
+def grouped_conv(x, dynamic, base, group):
+    """DFlash2's grouped dynamic causal convolution of blocks `x` `[a, b, hidden]` along their
+    `b` positions, each block starting from zeros: output position t sums, over the taps j,
+    `(base[j] + dynamic[t, j, g]) * x[t - j]` (`dynamic`: `[a, b, taps, groups]`, one value per
+    channel group of `group` channels; `base`: `[taps, hidden]`)."""
+    a, b, h = x.shape
+    taps = base.shape[0]
+    groups = h // group
+    xs = x.view(a, b, groups, group)
+    out = torch.zeros_like(xs)
+    for j in range(min(taps, b)):
+        shifted = xs if j == 0 else F.pad(xs[:, :-j], (0, 0, 0, 0, j, 0))
+        out = out + base[j].view(1, 1, groups, group).to(x.dtype) * shifted
+        out = torch.addcmul(out, dynamic[:, :, j].unsqueeze(-1), shifted)
+    return out.view(a, b, h)
 
 
 def load_heads(model_dir, dtype, device):
@@ -168,11 +196,25 @@ class TorchDrafter:
         self.dpace = None if dpace is None else float(dpace)
         distill = req.get("distill")
         self.distill = (float(distill[0]), float(distill[1])) if distill else None
+        d2 = req.get("dflash2")
+        self.dflash2 = None
+        if d2:
+            self.dflash2 = {
+                "taps": int(d2["conv_kernel_size"]), "group": int(d2["conv_group_size"]),
+                "top_k": int(d2["selector_top_k"]), "rank": int(d2["selector_rank"]),
+                "weight": float(d2.get("selector_loss_weight", 1.0)),
+                "detach": bool(d2.get("selector_stop_gradient", False)),
+            }
+            if self.hidden % self.dflash2["group"] or not 0 < self.dflash2["top_k"] <= self.vocab:
+                raise ValueError(f"DFlash2 sizes {d2} do not fit hidden {self.hidden}, "
+                                 f"vocabulary {self.vocab}")
+        window = req.get("sliding_window")
+        self.window = None if window is None else int(window)
         self.chunk = req.get("anchor_chunk") or None
         # Block positions whose full-vocabulary logits exist at once in the loss.
         self.loss_rows = max(1, int(os.environ.get(LOSS_ROWS_ENV, "") or DEFAULT_LOSS_ROWS))
         self.weight_decay = float(req["weight_decay"])
-        self.names = list(req.get("names") or param_names(self.layers))
+        self.names = list(req.get("names") or param_names(self.layers, self.dflash2 is not None))
         self.embedding, self.lm_head = heads or load_heads(req["model"], self.compute, device)
         if tuple(self.embedding.shape) != (self.vocab, self.hidden):
             raise ValueError(f"the target's embedding is {tuple(self.embedding.shape)}, the "
@@ -193,7 +235,14 @@ class TorchDrafter:
             c = json.load(f)
         fields = c.get("dflash_config") or {}
         heads = int(c["num_attention_heads"])
+        dflash2 = None
+        if "DFlash2DraftModel" in (c.get("architectures") or []):
+            dflash2 = {k: fields[k] for k in ("conv_kernel_size", "conv_group_size",
+                                              "selector_top_k", "selector_rank")}
+        types = c.get("layer_types") or []
+        window = c.get("sliding_window") if "sliding_attention" in types else None
         drafter = cls({
+            "dflash2": dflash2, "sliding_window": window,
             "dtype": dtype, "feature_dtype": dtype, "model": model_dir,
             "shape": {"hidden": c["hidden_size"], "intermediate": c["intermediate_size"],
                       "layers": c["num_hidden_layers"], "heads": heads,
@@ -244,6 +293,16 @@ class TorchDrafter:
         out = {"fc.weight": (h, h * self.states), "hidden_norm.weight": (h,), "norm.weight": (h,)}
         for li in range(self.layers):
             out.update({f"layers.{li}.{k}": v for k, v in layer.items()})
+        d2 = self.dflash2
+        if d2:
+            taps, groups, rank = d2["taps"], h // d2["group"], d2["rank"]
+            for li in range(self.layers):
+                for conv in ("attention_conv", "mlp_conv"):
+                    out[f"layers.{li}.{conv}.base_kernel"] = (2, taps, h)
+                    out[f"layers.{li}.{conv}.kernel_projection.weight"] = (2 * taps * groups, h)
+            out[SELECTOR + "hidden_projection.weight"] = (rank, h)
+            out[SELECTOR + "predecessor_codebook"] = (self.vocab, rank)
+            out[SELECTOR + "successor_codebook"] = (self.vocab, rank)
         return out
 
     def draft(self, context, token, position, b):
@@ -253,7 +312,30 @@ class TorchDrafter:
             return []
         x = self.block_states(context, [token], [position], b)
         logits = F.linear(x[1:b], self.lm_head).float()
+        if self.dflash2:
+            path, _, _ = self.select(x[1:b], logits, token)
+            return path.tolist()
         return logits.argmax(-1).tolist()
+
+    def select(self, x, logits, previous):
+        """DFlash2's greedy walk over one block's positions (`x`: their final hidden states,
+        `logits`: the head's): at each, the head's top-K candidates `c` are scored
+        `logits[c] + <A[prev] * (W x), B[c]>` against the token chosen before (`previous` first),
+        and the best is chosen. Returns the path, the candidates `[positions, K]` and the
+        scores."""
+        k = self.dflash2["top_k"]
+        unary, candidates = torch.topk(logits, k, dim=-1)
+        hidden = F.linear(x.float(), self.P[SELECTOR + "hidden_projection.weight"])
+        before = self.P[SELECTOR + "predecessor_codebook"]
+        after = self.P[SELECTOR + "successor_codebook"]
+        prev = torch.tensor(int(previous), device=x.device)
+        path, scores = [], []
+        for t in range(x.shape[0]):
+            score = unary[t] + (after[candidates[t]] * (before[prev] * hidden[t])).sum(-1)
+            prev = candidates[t, score.argmax()]
+            path.append(prev)
+            scores.append(score)
+        return torch.stack(path), candidates, torch.stack(scores)
 
     # -- state ----------------------------------------------------------------------------
 
@@ -264,6 +346,11 @@ class TorchDrafter:
         self.P, self.m, self.v = {}, {}, {}
         for n, shape in self.shapes().items():
             w = torch.ones(shape) if len(shape) == 1 else torch.randn(shape, generator=g) * 0.02
+            if n.endswith(".base_kernel"):
+                w = torch.zeros(shape)
+                w[:, 0] = 1.0
+            elif n.endswith((".kernel_projection.weight", "successor_codebook")):
+                w = torch.zeros(shape)
             self.P[n] = torch.nn.Parameter(w.to(self.device))
             self.m[n] = torch.zeros(shape, device=self.device)
             self.v[n] = torch.zeros(shape, device=self.device)
@@ -346,10 +433,20 @@ class TorchDrafter:
         ctx_ok = torch.arange(seen, device=dev).unsqueeze(0) < q_anchor.unsqueeze(1)
         q_block = torch.arange(a, device=dev).repeat_interleave(b)
         blk_ok = q_block.unsqueeze(1) == q_block.unsqueeze(0)
+        if self.window is not None:
+            # Sliding layers: keys less than the window from the query, both ways in the block.
+            q_pos = pos.reshape(-1)
+            ctx_ok = ctx_ok & (q_pos.unsqueeze(1) - torch.arange(seen, device=dev).unsqueeze(0)
+                               < self.window)
+            k_off = torch.arange(b, device=dev).repeat(a)
+            blk_ok = blk_ok & ((k_off.unsqueeze(1) - k_off.unsqueeze(0)).abs() < self.window)
         mask = torch.cat([ctx_ok, blk_ok], dim=1)
+        d2 = self.dflash2
         for i, (kc, vc) in enumerate(context):
             p = f"layers.{i}."
             hn = rms_norm(x, self.P[p + "input_layernorm.weight"], self.eps)
+            if d2:
+                hn, after = self._conv_prepare(hn, p + "attention_conv.")
             q = F.linear(hn, self.w(p + "self_attn.q_proj.weight")).view(a, b, self.heads, d)
             q = rms_norm(q, self.P[p + "self_attn.q_norm.weight"], self.eps)
             q = q * cos + rotate_half(q) * sin
@@ -366,23 +463,52 @@ class TorchDrafter:
             out = F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
             out = out.squeeze(0).transpose(0, 1).reshape(a, b, self.heads * d)
-            x = x + F.linear(out, self.w(p + "self_attn.o_proj.weight"))
+            out = F.linear(out, self.w(p + "self_attn.o_proj.weight"))
+            if d2:
+                out = after(out)
+            x = x + out
             n = rms_norm(x, self.P[p + "post_attention_layernorm.weight"], self.eps)
+            if d2:
+                n, after = self._conv_prepare(n, p + "mlp_conv.")
             act = F.silu(F.linear(n, self.w(p + "mlp.gate_proj.weight"))) * F.linear(
                 n, self.w(p + "mlp.up_proj.weight"))
-            x = x + F.linear(act, self.w(p + "mlp.down_proj.weight"))
+            out = F.linear(act, self.w(p + "mlp.down_proj.weight"))
+            if d2:
+                out = after(out)
+            x = x + out
         return rms_norm(x, self.P["norm.weight"], self.eps).reshape(a * b, h)
 
+    def _conv_prepare(self, hn, prefix):
+        """DFlash2's convolution before a sublayer (of its normed input `hn` `[a, b, hidden]`),
+        and the one to apply to the sublayer's output: both sides' dynamic kernels come from
+        `hn`, through the one projection."""
+        a, b, _ = hn.shape
+        taps, groups = self.dflash2["taps"], self.hidden // self.dflash2["group"]
+        group = self.dflash2["group"]
+        base = self.w(prefix + "base_kernel")
+        dynamic = F.linear(hn, self.w(prefix + "kernel_projection.weight")).view(
+            a, b, 2, taps, groups)
+        return (grouped_conv(hn, dynamic[:, :, 0], base[0], group),
+                lambda out: grouped_conv(out, dynamic[:, :, 1], base[1], group))
+
     def chunk_loss(self, context, teacher, tokens, loss_mask, anchors):
-        """Weighted cross-entropy sum of one chunk's blocks, its weights' sum, and per block
-        position (correct, counted). The full-vocabulary logits exist for `loss_rows` block
-        positions at a time: past that many, each piece of rows is checkpointed (its logits are
-        recomputed in the backward pass instead of kept)."""
+        """Weighted loss sum of one chunk's blocks, its weights' sum, per block position
+        (correct, counted), and DFlash2's selector figures (its weighted cross-entropy sum and
+        per position its correct picks; None for DFlash). The full-vocabulary logits exist for
+        `loss_rows` block positions at a time: past that many, each piece of rows is
+        checkpointed (its logits are recomputed in the backward pass instead of kept)."""
         a, b, n = len(anchors), self.block, len(tokens)
         x = self.block_states(context, [tokens[p] for p in anchors], anchors)
         targets = torch.tensor(
             [tokens[p + k] if p + k < n else 0 for p in anchors for k in range(b)],
             dtype=torch.long, device=self.device)
+        # DFlash2's selector learns with the data's token before each position as its
+        # predecessor (the anchor's own token at position 1), as it is walked at serving time.
+        prev = None
+        if self.dflash2:
+            prev = torch.tensor(
+                [tokens[min(max(p + k - 1, 0), n - 1)] for p in anchors for k in range(b)],
+                dtype=torch.long, device=self.device)
         weights = block_weights(loss_mask, anchors, b, self.gamma).to(self.device)
         taught = None
         if self.distill is not None and teacher is not None:
@@ -390,60 +516,48 @@ class TorchDrafter:
             rows = torch.tensor([min(max(p + k - 1, 0), last) for p in anchors for k in range(b)],
                                 dtype=torch.long, device=self.device)
             taught = teacher[rows].to(self.compute)
-        if self.dpace is not None:
-            return self._dpace_loss(x, targets, weights, a, b)
         step = self.loss_rows
-        totals, predicted = [], []
+        per, predicted, sel, sel_hit = [], [], [], []
         for i in range(0, a * b, step):
             piece = slice(i, i + step)
-            args = (x[piece], targets[piece], weights[piece],
-                    None if taught is None else taught[piece])
+            args = (x[piece], targets[piece], None if taught is None else taught[piece],
+                    None if prev is None else prev[piece])
             if a * b > step:
-                total, argmax = checkpoint(self._rows_loss, *args, use_reentrant=False)
+                ce, argmax, s_ce, s_hit = checkpoint(self._rows_ce, *args, use_reentrant=False)
             else:
-                total, argmax = self._rows_loss(*args)
-            totals.append(total)
-            predicted.append(argmax)
-        total = totals[0] if len(totals) == 1 else torch.stack(totals).sum()
-        with torch.no_grad():
-            counted = (weights > 0).view(a, b)
-            hit = ((torch.cat(predicted) == targets).view(a, b) & counted)
-        return total, float(weights.double().sum()), hit.sum(0), counted.sum(0)
-
-    def _dpace_loss(self, x, targets, weights, a, b):
-        """`chunk_loss` under D-PACE: every position's cross-entropy first (checkpointed by
-        pieces of rows as there), then the whole blocks' weights from their detached
-        probabilities, times the positions' own (1 or 0) weights."""
-        step = self.loss_rows
-        per, predicted = [], []
-        for i in range(0, a * b, step):
-            piece = slice(i, i + step)
-            if a * b > step:
-                ce, argmax = checkpoint(self._rows_ce, x[piece], targets[piece],
-                                        use_reentrant=False)
-            else:
-                ce, argmax = self._rows_ce(x[piece], targets[piece])
+                ce, argmax, s_ce, s_hit = self._rows_ce(*args)
             per.append(ce)
             predicted.append(argmax)
+            sel.append(s_ce)
+            sel_hit.append(s_hit)
         per = torch.cat(per)
         counted = weights > 0
-        d = dpace_weights(torch.exp(-per.detach().to(torch.float64)), counted, b, self.dpace)
-        # Rounded to f32, as the candle drafter weighs.
-        w = (d * weights.to(torch.float64)).to(torch.float32)
+        if self.dpace is not None:
+            # D-PACE's weights of the drafter's detached probabilities of the labels, times
+            # the positions' own (1 or 0) weights, rounded to f32 as the candle drafter weighs.
+            d = dpace_weights(torch.exp(-per.detach().to(torch.float64)), counted, b, self.dpace)
+            w = (d * weights.to(torch.float64)).to(torch.float32)
+        else:
+            w = weights
         total = (per * w).sum()
+        selector = None
+        if self.dflash2:
+            sel = torch.cat(sel)
+            sel_total = (sel * w).sum()
+            total = total + self.dflash2["weight"] * sel_total
+            with torch.no_grad():
+                picks = (torch.cat(sel_hit).view(a, b) & counted.view(a, b)).sum(0)
+            selector = (float(sel_total.detach()), picks)
         with torch.no_grad():
             hit = ((torch.cat(predicted) == targets).view(a, b) & counted.view(a, b))
-        return total, float(weights.double().sum()), hit.sum(0), counted.view(a, b).sum(0)
+        return (total, float(weights.double().sum()), hit.sum(0), counted.view(a, b).sum(0),
+                selector)
 
-    def _rows_ce(self, x, targets):
-        """The cross-entropy of each of some block positions, and their greedy predictions."""
-        logits = F.linear(x, self.lm_head).float()
-        per = -F.log_softmax(logits, dim=-1).gather(1, targets.unsqueeze(1)).squeeze(1)
-        return per, logits.detach().argmax(-1)
-
-    def _rows_loss(self, x, targets, weights, taught):
-        """The weighted loss sum of some block positions (`x`: their final hidden states), and
-        their greedy predictions."""
+    def _rows_ce(self, x, targets, taught, prev):
+        """Of some block positions (`x`: their final hidden states): each one's loss before
+        weighting (cross-entropy on `targets`, or its mix with distillation of the target's
+        states `taught`), the greedy predictions, and for DFlash2 the selector's cross-entropy
+        and whether its pick (with the data's predecessor `prev`) is the label."""
         logits = F.linear(x, self.lm_head).float()
         log_probs = F.log_softmax(logits, dim=-1)
         per = -log_probs.gather(1, targets.unsqueeze(1)).squeeze(1)
@@ -454,7 +568,40 @@ class TorchDrafter:
                     F.linear(taught, self.lm_head).float() / temperature, dim=-1)
             kd = -(target_probs * log_probs).sum(-1)
             per = per * (1.0 - share) + kd * share
-        return (per * weights).sum(), logits.detach().argmax(-1)
+        argmax = logits.detach().argmax(-1)
+        if prev is None:
+            return per, argmax, None, None
+        sel, picked = self._selector_ce(x, logits, targets, prev)
+        return per, argmax, sel, picked
+
+    def _selector_ce(self, x, logits, targets, prev):
+        """DFlash2's selector loss at some block positions: cross-entropy over the scores of the
+        head's top-K candidates, `logits[c] + <A[prev] * (W x), B[c]>`, with the label put in
+        the last (K-th) candidate's place where the top K miss it (so that every position
+        teaches the selector). Whether the pick is right counts the top K as they are: a
+        missed label is a wrong pick. With the stop-gradient, the logits and `x` are read
+        detached: the selector's loss trains its own weights only."""
+        if self.dflash2["detach"]:
+            x, logits = x.detach(), logits.detach()
+        k = self.dflash2["top_k"]
+        with torch.no_grad():
+            _, candidates = torch.topk(logits, k, dim=-1)
+            label_at = candidates == targets.unsqueeze(1)
+            missed = ~label_at.any(-1)
+            last = torch.zeros_like(label_at)
+            last[:, -1] = True
+            candidates = torch.where(missed.unsqueeze(1) & last, targets.unsqueeze(1),
+                                     candidates)
+            label = (candidates == targets.unsqueeze(1)).to(torch.int64).argmax(-1)
+        unary = logits.gather(1, candidates)
+        hidden = F.linear(x.float(), self.P[SELECTOR + "hidden_projection.weight"])
+        before = F.embedding(prev, self.P[SELECTOR + "predecessor_codebook"])
+        after = F.embedding(candidates, self.P[SELECTOR + "successor_codebook"])
+        scores = unary + torch.einsum("nr,nkr->nk", before * hidden, after)
+        ce = -F.log_softmax(scores, dim=-1).gather(1, label.unsqueeze(1)).squeeze(1)
+        with torch.no_grad():
+            picked = (scores.argmax(-1) == label) & ~missed
+        return ce, picked
 
     # -- the training step ----------------------------------------------------------------
 
@@ -482,8 +629,10 @@ class TorchDrafter:
         context = self.context(ctx_features, positions.to(self.device))
         leaves = [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in context]
         loss_sum = 0.0
+        selector_sum = 0.0
         correct = torch.zeros(self.block, dtype=torch.long, device=self.device)
         counted = torch.zeros(self.block, dtype=torch.long, device=self.device)
+        picks = torch.zeros(self.block, dtype=torch.long, device=self.device)
         for start, length, anchors in sequences:
             seq_ctx = [(k[start:start + length], v[start:start + length]) for k, v in leaves]
             seq_teacher = teacher[start:start + length] if teacher is not None else None
@@ -491,12 +640,15 @@ class TorchDrafter:
             seq_mask = loss_mask[start:start + length]
             step = self.chunk or len(anchors)
             for c in range(0, len(anchors), step):
-                total, _, hit, cnt = self.chunk_loss(
+                total, _, hit, cnt, selector = self.chunk_loss(
                     seq_ctx, seq_teacher, seq_tokens, seq_mask, anchors[c:c + step])
                 (total * scale).backward()
                 loss_sum += float(total.detach())
                 correct += hit
                 counted += cnt
+                if selector is not None:
+                    selector_sum += selector[0]
+                    picks += selector[1]
         # Through the context once: the chunks' summed gradients of its keys and values.
         tensors, grads = [], []
         for (k, v), (lk, lv) in zip(context, leaves):
@@ -509,6 +661,11 @@ class TorchDrafter:
         out["loss"] = loss_sum / weight
         out["correct"] = correct.tolist()
         out["counted"] = counted.tolist()
+        if self.dflash2:
+            # The selector's own weighted cross-entropy (inside `loss` at its weight) and its
+            # right picks per block position.
+            out["selector_loss"] = selector_sum / weight
+            out["selector_correct"] = picks.tolist()
         return out
 
     @torch.no_grad()

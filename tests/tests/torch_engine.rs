@@ -104,6 +104,47 @@ fn assert_losses_agree(a: &[(u64, f64)], b: &[(u64, f64)], steps: usize, tol: f6
 /// packed batch of uneven lengths, for Qwen3, Llama with llama3 rope scaling, Qwen3-MoE,
 /// Gemma-3 (sliding-window layers) and gpt-oss (attention sinks; eager attention on CPU); and
 /// the same tokens run as one row (sequences attending across) differ, so the check can fail.
+/// DFlash2 against the official package's `DFlash2DraftModel` on random weights (every tensor,
+/// the convolutions' and the selector's included), with full and with sliding-window layers:
+/// the final hidden states and the logits within 1e-5 (relative to the largest value), the
+/// selector's greedy path and top-K candidates equal; the blocks of several anchors computed
+/// together (as training does) equal the official model run once per anchor. Perturbing the
+/// dynamic kernels, or dropping the window, moves the states: the check can fail.
+#[test]
+fn the_dflash2_drafter_computes_what_the_official_model_computes() {
+    let out = Command::new(test_python())
+        .arg(workspace_root().join("python/tests/check_dflash2.py"))
+        .args(["--tol", "1e-5"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 6, "{stdout}");
+    assert!(rows.iter().any(|r| r["window"].is_null()));
+    assert!(rows.iter().any(|r| r["window"] == 3));
+    for r in &rows {
+        assert_eq!(r["ok"], true, "{r}");
+        for key in ["hidden", "logits", "batched"] {
+            assert!(
+                r[format!("max_rel_diff_{key}")].as_f64().unwrap() <= 1e-5,
+                "{r}"
+            );
+        }
+        assert_eq!(r["paths_equal"], true, "{r}");
+        assert_eq!(r["candidates_equal"], true, "{r}");
+        assert!(r["perturbed_diff"].as_f64().unwrap() > 1e-3, "{r}");
+    }
+    eprintln!("{stdout}");
+}
+
 #[test]
 fn the_torch_targets_features_equal_transformers_on_packed_batches() {
     let out = Command::new(test_python())

@@ -846,6 +846,34 @@ mod tests {
 /// `trust_remote_code` finds it in a `dflash.py` beside the weights, and the `dflash` package's
 /// `DFlashDraftModel.from_pretrained` loads the directory as it is.
 pub fn hf_config(c: &DrafterConfig, target: &Qwen3Config) -> Value {
+    let mut config = dflash_config(c, target);
+    // A DFlash2 drafter: the official class, its sizes where every loader reads them
+    // (`dflash_config`), its codebooks stored without `.weight` (the official `from_pretrained`
+    // maps them; SGLang and vLLM read them as they are).
+    if let Some(d) = &c.dflash2 {
+        config["architectures"] = serde_json::json!(["DFlash2DraftModel"]);
+        config["auto_map"] = serde_json::json!({"AutoModel": "dflash.DFlash2DraftModel"});
+        let fields = &mut config["dflash_config"];
+        fields["conv_kernel_size"] = d.conv_kernel_size.into();
+        fields["conv_group_size"] = d.conv_group_size.into();
+        fields["selector_rank"] = d.selector_rank.into();
+        fields["selector_top_k"] = d.selector_top_k.into();
+    }
+    // Sliding layers, stated in every field a reader may derive them from (a transformers
+    // Qwen3Config drops `sliding_window` unless `use_sliding_window`, and derives `layer_types`
+    // from `max_window_layers`); the block still sees itself whole: `is_causal` false, which
+    // the official package would otherwise infer true for sliding layers.
+    if let Some(w) = c.sliding_window {
+        config["layer_types"] = serde_json::json!(vec!["sliding_attention"; c.shape.layers]);
+        config["use_sliding_window"] = true.into();
+        config["sliding_window"] = w.into();
+        config["max_window_layers"] = c.shape.layers.into();
+        config["is_causal"] = false.into();
+    }
+    config
+}
+
+fn dflash_config(c: &DrafterConfig, target: &Qwen3Config) -> Value {
     serde_json::json!({
         "architectures": ["DFlashDraftModel"],
         "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
@@ -990,6 +1018,8 @@ mod resume_tests {
             block_size: 3,
             mask_token_id: 1,
             target_layer_ids: vec![1],
+            dflash2: None,
+            sliding_window: None,
         };
         Drafter::new(config, 3, &Device::Cpu).unwrap()
     }

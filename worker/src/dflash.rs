@@ -592,7 +592,8 @@ impl DrafterStage {
             settings.block_size,
             settings.mask_token_id,
             settings.target_layer_ids.clone(),
-        );
+        )
+        .with_arch(settings.dflash2().copied(), settings.sliding_window);
         let root = &settings.checkpoint_dir;
         let rank = DrafterRank::from_env(|name| std::env::var(name).ok())?;
         // Several nodes start from the step every node has a checkpoint of.
@@ -640,6 +641,12 @@ impl DrafterStage {
                     "{} data-parallel drafters need the torch engine (--engine torch); the candle drafter trains alone",
                     rank.ranks
                 ));
+            }
+            Engine::Candle if config.dflash2.is_some() || config.sliding_window.is_some() => {
+                return Err(
+                    "DFlash2 and sliding-window drafters are trained by the torch engine only (--engine torch)"
+                        .into(),
+                );
             }
             Engine::Candle => Box::new(CandleDrafter::new(settings, config, resume)?),
             Engine::Torch => Box::new(crate::torch::DrafterEngine::new(

@@ -255,11 +255,20 @@ pub fn load_drafter_with(
         reason,
     };
     let c = DraftConfig::read(dir)?;
+    if c.dflash2.is_some() || c.sliding_window.is_some() {
+        let path = dir.join("config.json");
+        return Err(invalid(
+            &path,
+            "a DFlash2 or sliding-window drafter is decoded by the torch engine only: pass --engine torch".into(),
+        ));
+    }
     let config = DrafterConfig {
         shape: c.shape.clone(),
         block_size: c.block_size,
         mask_token_id: c.mask_token_id,
         target_layer_ids: c.target_layer_ids.clone(),
+        dflash2: c.dflash2,
+        sliding_window: c.sliding_window,
     };
     if let Some(seed) = init_seed {
         return Ok(Drafter::new(config, seed, device)?.with_compute(compute));
@@ -374,6 +383,8 @@ pub fn run_eval(request: &Path) -> Result<(), String> {
                     block_size: c.block_size,
                     mask_token_id: c.mask_token_id,
                     target_layer_ids: c.target_layer_ids,
+                    dflash2: c.dflash2,
+                    sliding_window: c.sliding_window,
                 };
                 Some(crate::torch::InitialDrafter::write(
                     &req.drafter,

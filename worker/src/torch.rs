@@ -458,6 +458,8 @@ impl DrafterEngine {
             "gamma": settings.gamma,
             "distill": settings.distill(),
             "dpace_alpha": settings.dpace(),
+            "dflash2": config.dflash2,
+            "sliding_window": config.sliding_window,
             "anchor_chunk": settings.anchor_chunk,
             "weight_decay": settings.weight_decay,
             "dtype": settings.dtype.name(),
@@ -1025,6 +1027,8 @@ mod tests {
             block_size: 4,
             mask_token_id: 1,
             target_layer_ids: vec![0],
+            dflash2: None,
+            sliding_window: None,
         };
         std::fs::write(dir.join("config.json"), "{}").unwrap();
         let init = InitialDrafter::write(&dir, &config, 0).unwrap();

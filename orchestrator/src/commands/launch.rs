@@ -234,6 +234,52 @@ pub struct DflashFlags {
     #[arg(long, value_name = "ALPHA", default_value_t = 0.5, value_parser = options::real(0.0, 1.0, ""))]
     pub dpace_alpha: f64,
 
+    /// The drafter's architecture: dflash, or dflash2 (the official package's DFlash2DraftModel:
+    /// a grouped dynamic causal convolution before and after each attention and MLP sublayer,
+    /// and a candidate selector that rescores the head's top --selector-top-k tokens at each
+    /// block position against the token before it). dflash2 trains on the torch engine.
+    #[arg(
+        long,
+        value_name = "dflash|dflash2",
+        default_value = "dflash",
+        help_heading = "DFlash2"
+    )]
+    pub drafter_arch: dflash_common::dflash::DrafterArch,
+
+    /// DFlash2: taps of each convolution (the position and those before it in its block); 1 to
+    /// the block size.
+    #[arg(long, value_name = "N", default_value_t = 2, help_heading = "DFlash2", value_parser = clap::value_parser!(u16).range(1..=256))]
+    pub conv_kernel_size: u16,
+
+    /// DFlash2: channels that share one dynamic kernel tap; must divide the hidden size.
+    #[arg(long, value_name = "N", default_value_t = 16, help_heading = "DFlash2", value_parser = clap::value_parser!(u32).range(1..=1_048_576))]
+    pub conv_group_size: u32,
+
+    /// DFlash2: candidates the selector rescores at each block position (the head's top K); 1 to
+    /// the vocabulary's size.
+    #[arg(long, value_name = "K", default_value_t = 16, help_heading = "DFlash2", value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub selector_top_k: u32,
+
+    /// DFlash2: width of the selector's codebooks and hidden projection; 1 to 65536.
+    #[arg(long, value_name = "R", default_value_t = 256, help_heading = "DFlash2", value_parser = clap::value_parser!(u32).range(1..=65_536))]
+    pub selector_rank: u32,
+
+    /// DFlash2: weight of the selector's loss (cross-entropy over the top-K candidates, the
+    /// data's token put in the last candidate's place when the head misses it) beside the
+    /// drafter's own, at each block position; 0 to 100.
+    #[arg(long, value_name = "W", default_value_t = 1.0, help_heading = "DFlash2", value_parser = options::real(0.0, 100.0, ""))]
+    pub selector_loss_weight: f64,
+
+    /// DFlash2: the selector's loss trains the selector's weights only (the head's logits and
+    /// the hidden states it reads are detached); without it, it trains the whole drafter.
+    #[arg(long, help_heading = "DFlash2")]
+    pub selector_stop_gradient: bool,
+
+    /// Every drafter layer attends within a window of N positions (sliding_attention layers, as
+    /// the published DFlash2 drafters use with N = 2048); default: full attention. Torch engine.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1_048_576))]
+    pub sliding_window: Option<u32>,
+
     /// AdamW weight decay; 0 to 1.
     #[arg(long, value_name = "WD", default_value_t = 0.01, value_parser = options::real(0.0, 1.0, ""))]
     pub weight_decay: f64,
@@ -359,6 +405,16 @@ impl DflashFlags {
             kd_temperature: self.kd_temperature,
             kd_weight: self.kd_weight,
             dpace_alpha: self.dpace_alpha,
+            drafter_arch: self.drafter_arch,
+            dflash2: dflash_common::dflash::Dflash2Settings {
+                conv_kernel_size: usize::from(self.conv_kernel_size),
+                conv_group_size: self.conv_group_size as usize,
+                selector_top_k: self.selector_top_k as usize,
+                selector_rank: self.selector_rank as usize,
+                selector_loss_weight: self.selector_loss_weight,
+                selector_stop_gradient: self.selector_stop_gradient,
+            },
+            sliding_window: self.sliding_window.map(|w| w as usize),
             weight_decay: self.weight_decay,
             seed,
             save_every: self.save_every,

@@ -85,6 +85,18 @@ pub(super) fn check_engines(
     if settings.engine_auto {
         (settings.engines, checked) = auto_engines(settings, gpus);
         settings.engine_auto = false;
+        if settings.engines.drafter == Engine::Candle {
+            for (given, what) in [
+                (settings.dflash2().is_some(), "--drafter-arch dflash2"),
+                (settings.sliding_window.is_some(), "--sliding-window"),
+            ] {
+                if given {
+                    return Err(RunError::Invalid(format!(
+                        "{what} is trained by the torch engine only, and --engine auto chose candle: pass --engine torch"
+                    )));
+                }
+            }
+        }
     }
     if !settings.engines.uses(Engine::Torch) {
         settings.torch = None;
@@ -262,11 +274,21 @@ pub(super) fn fingerprint(
         ),
         (
             "drafter",
-            digest([json(serde_json::json!({
-                "draft_layers": settings.draft_layers, "block_size": settings.block_size,
-                "num_anchors": settings.num_anchors, "mask_token_id": settings.mask_token_id,
-                "target_layer_ids": settings.target_layer_ids,
-            }))
+            // DFlash runs with full attention keep the fingerprint they had before DFlash2.
+            digest([json({
+                let mut drafter = serde_json::json!({
+                    "draft_layers": settings.draft_layers, "block_size": settings.block_size,
+                    "num_anchors": settings.num_anchors, "mask_token_id": settings.mask_token_id,
+                    "target_layer_ids": settings.target_layer_ids,
+                });
+                if let Some(d) = settings.dflash2() {
+                    drafter["dflash2"] = serde_json::to_value(d).unwrap_or_default();
+                }
+                if let Some(w) = settings.sliding_window {
+                    drafter["sliding_window"] = w.into();
+                }
+                drafter
+            })
             .as_slice()]),
         ),
         (

@@ -135,6 +135,38 @@ pub const OPTIONS: &[(&str, &[&str], OnResume)] = &[
     ("kd-temperature", &["dflash", "kd_temperature"], Compared),
     ("kd-weight", &["dflash", "kd_weight"], Compared),
     ("dpace-alpha", &["dflash", "dpace_alpha"], Compared),
+    ("drafter-arch", &["dflash", "drafter_arch"], Compared),
+    (
+        "conv-kernel-size",
+        &["dflash", "dflash2", "conv_kernel_size"],
+        Compared,
+    ),
+    (
+        "conv-group-size",
+        &["dflash", "dflash2", "conv_group_size"],
+        Compared,
+    ),
+    (
+        "selector-top-k",
+        &["dflash", "dflash2", "selector_top_k"],
+        Compared,
+    ),
+    (
+        "selector-rank",
+        &["dflash", "dflash2", "selector_rank"],
+        Compared,
+    ),
+    (
+        "selector-loss-weight",
+        &["dflash", "dflash2", "selector_loss_weight"],
+        Compared,
+    ),
+    (
+        "selector-stop-gradient",
+        &["dflash", "dflash2", "selector_stop_gradient"],
+        Compared,
+    ),
+    ("sliding-window", &["dflash", "sliding_window"], Compared),
     ("weight-decay", &["dflash", "weight_decay"], Compared),
     ("save-every", &["dflash", "save_every"], Compared),
     (

@@ -19,7 +19,7 @@
 //! kernels of candle-nn do not), and the weights are initialised from our own seeded generator.
 
 use candle_core::{D, DType, Device, Tensor, Var};
-use dflash_common::dflash::Qwen3Shape;
+use dflash_common::dflash::{Dflash2Settings, Qwen3Shape};
 
 use super::rotate_half;
 use crate::rng::SplitMix64;
@@ -33,6 +33,10 @@ pub struct DrafterConfig {
     pub block_size: usize,
     pub mask_token_id: u32,
     pub target_layer_ids: Vec<usize>,
+    /// A DFlash2 drafter's sizes (its convolutions' and selector's tensors); none: DFlash.
+    pub dflash2: Option<Dflash2Settings>,
+    /// The layers' attention window (`sliding_attention`); none: full attention.
+    pub sliding_window: Option<usize>,
 }
 
 impl DrafterConfig {
@@ -53,7 +57,20 @@ impl DrafterConfig {
             block_size,
             mask_token_id,
             target_layer_ids,
+            dflash2: None,
+            sliding_window: None,
         }
+    }
+
+    /// This drafter as a run's settings make it: DFlash2's tensors, the attention window.
+    pub fn with_arch(
+        mut self,
+        dflash2: Option<Dflash2Settings>,
+        sliding_window: Option<usize>,
+    ) -> Self {
+        self.dflash2 = dflash2;
+        self.sliding_window = sliding_window;
+        self
     }
 }
 
@@ -79,18 +96,35 @@ impl DrafterConfig {
             );
         }
         shapes.push(("norm.weight".into(), vec![h], true));
+        if let Some(d) = &self.dflash2 {
+            shapes.extend(dflash2_tensors(&self.shape, self.shape.layers, d));
+        }
         shapes
     }
 
     /// The initial weights of a run with `seed`, whichever engine trains them: matrices
-    /// N(0, 0.02), norms 1, drawn in [`DrafterConfig::tensors`]' order.
+    /// N(0, 0.02), norms 1, drawn in [`DrafterConfig::tensors`]' order. DFlash2's convolutions
+    /// start as the identity (base kernels: tap 0 is 1, the others 0; kernel projections 0) and
+    /// its selector as the head alone (successor codebook 0), so that an untrained DFlash2
+    /// computes what the DFlash of the same draws does; the predecessor codebook and the hidden
+    /// projection are drawn like matrices.
     pub fn initial_weights(&self, seed: u64) -> Vec<(String, Vec<usize>, Vec<f32>)> {
         let mut rng = SplitMix64(seed);
         self.tensors()
             .into_iter()
             .map(|(name, shape, is_norm)| {
                 let n: usize = shape.iter().product();
-                let values: Vec<f32> = if is_norm {
+                let values: Vec<f32> = if name.ends_with(".base_kernel") {
+                    // [2 sides, taps, hidden]: tap 0 of each side is 1.
+                    let (taps, h) = (shape[1], shape[2]);
+                    (0..n)
+                        .map(|i| if (i / h) % taps == 0 { 1.0 } else { 0.0 })
+                        .collect()
+                } else if name.ends_with(".kernel_projection.weight")
+                    || name.ends_with(".successor_codebook")
+                {
+                    vec![0.0; n]
+                } else if is_norm {
                     vec![1.0; n]
                 } else {
                     (0..n).map(|_| (0.02 * rng.normal()) as f32).collect()
@@ -99,6 +133,52 @@ impl DrafterConfig {
             })
             .collect()
     }
+}
+
+/// DFlash2's own tensors, named as the official `DFlash2DraftModel` checkpoints store them
+/// (`is_norm` false): per layer, the attention's and the MLP's convolution (`base_kernel`
+/// `[2, taps, hidden]`, the sides before and after the sublayer; `kernel_projection.weight`
+/// `[2 · taps · hidden / group, hidden]`); then the selector's hidden projection `[rank, hidden]`
+/// and its predecessor and successor codebooks `[vocab, rank]` (without `.weight`).
+pub fn dflash2_tensors(
+    shape: &Qwen3Shape,
+    layers: usize,
+    d: &Dflash2Settings,
+) -> Vec<(String, Vec<usize>, bool)> {
+    let (h, taps) = (shape.hidden, d.conv_kernel_size);
+    let groups = h / d.conv_group_size.max(1);
+    let mut out = Vec::new();
+    for i in 0..layers {
+        for conv in ["attention_conv", "mlp_conv"] {
+            out.push((
+                format!("layers.{i}.{conv}.base_kernel"),
+                vec![2, taps, h],
+                false,
+            ));
+            out.push((
+                format!("layers.{i}.{conv}.kernel_projection.weight"),
+                vec![2 * taps * groups, h],
+                false,
+            ));
+        }
+    }
+    let (rank, vocab) = (d.selector_rank, shape.vocab);
+    out.push((
+        "candidate_selector.hidden_projection.weight".into(),
+        vec![rank, h],
+        false,
+    ));
+    out.push((
+        "candidate_selector.predecessor_codebook".into(),
+        vec![vocab, rank],
+        false,
+    ));
+    out.push((
+        "candidate_selector.successor_codebook".into(),
+        vec![vocab, rank],
+        false,
+    ));
+    out
 }
 
 /// One sequence's loss before averaging.
@@ -938,6 +1018,8 @@ mod tests {
             block_size: 4,
             mask_token_id: 5,
             target_layer_ids: vec![0, 2],
+            dflash2: None,
+            sliding_window: None,
         };
         let drafter = Drafter::new(config, 7, &dev).unwrap();
         let mut rng = SplitMix64(99);
