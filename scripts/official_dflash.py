@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
 """Cross-checks a dflash-orch drafter checkpoint with the official DFlash reference code, the PyPI
-package `dflash==0.1.0` (`dflash.model.DFlashDraftModel` and `dflash.model.dflash_generate`).
+package `dflash==0.1.0` (`dflash.model.DFlashDraftModel`, `DFlash2DraftModel` and
+`dflash.model.dflash_generate`).
 
     official_dflash.py --target-model DIR --drafter CKPT_DIR --prompts FILE.jsonl
                        --max-new-tokens N [--stop-token-ids 1,2] [--block-size B]
 
 The target (a Hugging Face Qwen3 directory) is loaded with `transformers` and the drafter with
-`DFlashDraftModel.from_pretrained`, both in float32 on the CPU. The drafter must load strictly: no
+`DFlashDraftModel.from_pretrained` (`DFlash2DraftModel` where `architectures` names it; its
+loader maps the stored codebooks `candidate_selector.*_codebook` onto its embeddings' `.weight`),
+both in float32 on the CPU. The drafter must load strictly: no
 missing, unexpected or mismatched tensor, and every parameter equal to the tensor of that name in
 model.safetensors (so none was left at its random init). The config fields that the official code
 needs, or would default silently (see REQUIRED), must be present: a default would hide a mismatch.
@@ -33,13 +36,17 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import dflash.model
-from dflash.model import DFlashDraftModel, dflash_generate
+from dflash.model import DFlash2DraftModel, DFlashDraftModel, dflash_generate
 
 # Fields of the drafter's config.json that dflash.model (or transformers' Qwen3Config) would
 # default silently or trip over later; each may sit at the top level or in "dflash_config"
 # ("rope_theta" also in "rope_parameters"). Without num_target_layers the loader raises even when
 # target_layer_ids is given; without mask_token_id it loads and dflash_generate fails.
 REQUIRED = ("block_size", "mask_token_id", "target_layer_ids", "num_target_layers", "rope_theta")
+# DFlash2's sizes, which DFlash2DraftModel reads from dflash_config (vLLM and SGLang too).
+DFLASH2_REQUIRED = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+# DFlash2DraftModel's embeddings hold the codebooks that checkpoints store without `.weight`.
+CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 
 
 def log(msg):
@@ -57,8 +64,18 @@ def check_config(ckpt):
     missing = [k for k in REQUIRED if not any(k in section for section in sections)]
     if missing:
         fail(f"{ckpt}/config.json lacks {', '.join(missing)}, which dflash.model needs (see REQUIRED)")
-    if config.get("architectures") != ["DFlashDraftModel"]:
-        fail(f"{ckpt}/config.json: architectures is {config.get('architectures')!r}, not ['DFlashDraftModel']")
+    classes = {"DFlashDraftModel": DFlashDraftModel, "DFlash2DraftModel": DFlash2DraftModel}
+    arch = config.get("architectures")
+    if not (isinstance(arch, list) and len(arch) == 1 and arch[0] in classes):
+        fail(f"{ckpt}/config.json: architectures is {arch!r}, not ['DFlashDraftModel'] or "
+             "['DFlash2DraftModel']")
+    if arch[0] == "DFlash2DraftModel":
+        fields = config.get("dflash_config", {})
+        missing = [k for k in DFLASH2_REQUIRED if k not in fields]
+        if missing:
+            fail(f"{ckpt}/config.json: dflash_config lacks {', '.join(missing)}, which "
+                 "DFlash2DraftModel reads")
+    return classes[arch[0]]
 
 
 def load_strict(cls, path, what):
@@ -74,9 +91,11 @@ def load_strict(cls, path, what):
 
 
 def load_drafter(ckpt):
-    check_config(ckpt)
-    draft = load_strict(DFlashDraftModel, ckpt, "drafter")
+    cls = check_config(ckpt)
+    draft = load_strict(cls, ckpt, "drafter")
     saved = load_file(ckpt / "model.safetensors")
+    if cls is DFlash2DraftModel:
+        saved = {(k + ".weight" if k in CODEBOOKS else k): v for k, v in saved.items()}
     params = draft.state_dict()
     if set(saved) != set(params):
         fail(f"drafter tensors differ from {ckpt}/model.safetensors: {sorted(set(saved) ^ set(params))}")

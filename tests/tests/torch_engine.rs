@@ -906,6 +906,11 @@ fn arch_target(dir: &Path, arch: &str) -> PathBuf {
 /// (`torch`, `transformers`, our `dflash_orch`, ...), which `PYTHONPATH` names too: none of them
 /// runs, in the pre-flight, the workers' engine, `generate` or `eval`.
 fn torch_demo(dir: &Path, target: &Path, gain: f64) -> Value {
+    torch_demo_with(dir, target, gain, &[])
+}
+
+/// [`torch_demo`] with more `demo` options.
+fn torch_demo_with(dir: &Path, target: &Path, gain: f64, extra: &[&str]) -> Value {
     let run = dir.join("demo");
     let planted = Planted::new(dir);
     let mut command = Command::new(bin("dflash-orch"));
@@ -926,6 +931,7 @@ fn torch_demo(dir: &Path, target: &Path, gain: f64) -> Value {
         target.to_str().unwrap(),
         "--json",
     ]);
+    command.args(extra);
     let out = command.output().unwrap();
     planted.assert_none_ran("demo --engine torch");
     let demo: Value = serde_json::from_str(&stdout_ok(&out)).unwrap();
@@ -1009,6 +1015,65 @@ fn qwen3_end_to_end_on_torch_and_the_official_package_agrees() {
     let target = arch_target(dir.path(), "qwen3");
     let demo = torch_demo(dir.path(), &target, 1.5);
     official_agrees(dir.path(), &target, &demo);
+}
+
+/// A DFlash2 drafter (`--drafter-arch dflash2`) trained on a Qwen3 target: its checkpoint names
+/// `DFlash2DraftModel`, holds the convolutions and the selector, loads strictly in the official
+/// package, whose decoding gives our eval's τ (within 2%) and outputs, lossless.
+#[test]
+fn qwen3_dflash2_end_to_end_on_torch_and_the_official_package_agrees() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = arch_target(dir.path(), "qwen3");
+    let demo = torch_demo_with(dir.path(), &target, 1.5, &["--drafter-arch", "dflash2"]);
+    dflash2_checkpoint(&demo);
+    official_agrees(dir.path(), &target, &demo);
+}
+
+/// The same on a Llama target.
+#[test]
+fn llama_dflash2_end_to_end_on_torch_and_the_official_package_agrees() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = arch_target(dir.path(), "llama");
+    let demo = torch_demo_with(dir.path(), &target, 1.5, &["--drafter-arch", "dflash2"]);
+    dflash2_checkpoint(&demo);
+    official_agrees(dir.path(), &target, &demo);
+}
+
+/// The demo's checkpoint is a DFlash2 one: the class, its sizes, its tensors (the codebooks
+/// without `.weight`, as the published checkpoints store them) trained away from their start.
+fn dflash2_checkpoint(demo: &Value) {
+    let dir = PathBuf::from(demo["checkpoint"].as_str().unwrap());
+    let config: Value =
+        serde_json::from_slice(&fs::read(dir.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["architectures"][0], "DFlash2DraftModel", "{config}");
+    for key in [
+        "conv_kernel_size",
+        "conv_group_size",
+        "selector_rank",
+        "selector_top_k",
+    ] {
+        assert!(config["dflash_config"][key].is_u64(), "{key}: {config}");
+    }
+    let bytes = fs::read(dir.join("model.safetensors")).unwrap();
+    let tensors = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let names: Vec<String> = tensors.names().into_iter().map(str::to_owned).collect();
+    for name in [
+        "candidate_selector.predecessor_codebook",
+        "candidate_selector.successor_codebook",
+        "candidate_selector.hidden_projection.weight",
+        "layers.0.attention_conv.base_kernel",
+        "layers.0.mlp_conv.kernel_projection.weight",
+    ] {
+        assert!(names.iter().any(|n| n == name), "{name} missing: {names:?}");
+    }
+    // The successor codebook and the kernel projections start at zero: training moved them.
+    for name in [
+        "candidate_selector.successor_codebook",
+        "layers.0.attention_conv.kernel_projection.weight",
+    ] {
+        let t = tensors.tensor(name).unwrap();
+        assert!(t.data().iter().any(|&b| b != 0), "{name} never trained");
+    }
 }
 
 /// Llama with llama3 RoPE scaling end to end on the torch engine, checked by the official

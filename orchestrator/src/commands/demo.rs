@@ -39,6 +39,11 @@ pub struct DemoArgs {
     #[arg(long, value_name = "ce|kd|mix|dpace", default_value = "ce")]
     pub loss: dflash_common::dflash::LossKind,
 
+    /// The drafter's architecture: dflash, or dflash2 (with --engine torch; see `launch
+    /// --help`).
+    #[arg(long, value_name = "dflash|dflash2", default_value = "dflash")]
+    pub drafter_arch: dflash_common::dflash::DrafterArch,
+
     /// Temperature of the target's distribution that kd and mix teach (launch's default when
     /// not given; see `launch --help`).
     #[arg(long, value_name = "T", value_parser = crate::options::positive(100.0, ""))]
@@ -167,6 +172,14 @@ pub fn check_args(args: &DemoArgs) -> Result<(), CliError> {
     if args.samples < 50 || args.epochs == 0 {
         return Err(CliError::Invalid(
             "--samples must be at least 50 and --epochs at least 1".into(),
+        ));
+    }
+    if args.drafter_arch == dflash_common::dflash::DrafterArch::Dflash2
+        && args.engine != dflash_common::dflash::Engine::Torch
+    {
+        return Err(CliError::Invalid(
+            "--drafter-arch dflash2 is trained by the torch engine only: pass --engine torch"
+                .into(),
         ));
     }
     // Every step gets its paths as UTF-8 arguments; a path that is not would reach them mangled.
@@ -550,6 +563,8 @@ pub fn run(args: DemoArgs) -> Result<(), CliError> {
         "25",
         "--loss",
         args.loss.name(),
+        "--drafter-arch",
+        args.drafter_arch.name(),
         "--eval-every",
         "100",
         "--eval-prompts",
