@@ -251,6 +251,72 @@ fn bad_dry_run_values_are_refused() {
         1,
         "--loss dpace weighs the block positions itself: --gamma must be auto or none",
     );
+    // DFlash2's sizes against the target (the tiny one: hidden 64), and the candle engine, which trains
+    // neither DFlash2 nor sliding windows: what a launch would refuse, naming the option.
+    let tiny = dflash_e2e::tiny_target(dir.path());
+    let python = dflash_e2e::test_python();
+    let torch = [
+        "--engine",
+        "torch",
+        "--python",
+        python.to_str().unwrap(),
+        "--drafter-arch",
+        "dflash2",
+    ];
+    for (flags, needle) in [
+        (
+            vec!["--gpus", "cpu:2", "--drafter-arch", "dflash2"],
+            "--drafter-arch dflash2 is trained by the torch engine only: pass --engine torch",
+        ),
+        (
+            vec!["--gpus", "cpu:2", "--sliding-window", "2048"],
+            "--sliding-window is trained by the torch engine only: pass --engine torch",
+        ),
+        (
+            [&["--gpus", "cpu:2", "--conv-group-size", "24"][..], &torch].concat(),
+            "--conv-group-size 24 does not divide the hidden size 64",
+        ),
+        (
+            [&["--gpus", "cpu:2", "--conv-kernel-size", "17"][..], &torch].concat(),
+            "--conv-kernel-size 17 must be from 1 to the block size 16",
+        ),
+    ] {
+        assert_refused(&dry_run(&tiny, &run_dir, &flags), 1, needle);
+    }
+    for (flags, needle) in [
+        (
+            vec!["--gpus", "cpu:2", "--drafter-arch", "eagle"],
+            "--drafter-arch",
+        ),
+        (
+            vec!["--gpus", "cpu:2", "--selector-top-k", "0"],
+            "--selector-top-k",
+        ),
+        (
+            vec!["--gpus", "cpu:2", "--selector-rank", "0"],
+            "--selector-rank",
+        ),
+        (
+            vec!["--gpus", "cpu:2", "--selector-loss-weight=-1"],
+            "--selector-loss-weight",
+        ),
+        (
+            vec!["--gpus", "cpu:2", "--sliding-window", "0"],
+            "--sliding-window",
+        ),
+    ] {
+        assert_refused(&dry_run(&target, &run_dir, &flags), 2, needle);
+    }
+    // A top K beyond the vocabulary (the tiny target has 600 tokens).
+    assert_refused(
+        &dry_run(
+            &tiny,
+            &run_dir,
+            &[&["--gpus", "cpu:2", "--selector-top-k", "601"][..], &torch].concat(),
+        ),
+        1,
+        "--selector-top-k 601 must be from 1 to the vocabulary's 600 tokens",
+    );
     // --json and --gpu-memory belong to --dry-run.
     assert_refused(
         &orch(&[

@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use dflash_e2e::planted::Planted;
 use dflash_e2e::{
-    assert_clean, bin, children, finish, journal_events, launch_with, orch, script, signal,
-    stdout_ok, test_python, tiny_target, wait_until, worker_pid, workspace_root,
+    assert_clean, assert_refused, bin, children, finish, journal_events, launch_with, orch, script,
+    signal, stdout_ok, test_python, tiny_target, wait_until, worker_pid, workspace_root,
 };
 use serde_json::Value;
 
@@ -1027,6 +1027,51 @@ fn qwen3_dflash2_end_to_end_on_torch_and_the_official_package_agrees() {
     let demo = torch_demo_with(dir.path(), &target, 1.5, &["--drafter-arch", "dflash2"]);
     dflash2_checkpoint(&demo);
     official_agrees(dir.path(), &target, &demo);
+    // The candle engine does not decode it, and says which does; a checkpoint without a
+    // selector tensor is refused naming it.
+    let eval = |drafter: &str, engine: &str| {
+        orch(&[
+            "eval",
+            "--target-model",
+            target.to_str().unwrap(),
+            "--drafter",
+            drafter,
+            "--prompts",
+            dir.path().join("demo/eval-prompts.jsonl").to_str().unwrap(),
+            "--max-new-tokens",
+            "8",
+            "--engine",
+            engine,
+            "--python",
+            test_python().to_str().unwrap(),
+        ])
+    };
+    let checkpoint = demo["checkpoint"].as_str().unwrap();
+    assert_refused(
+        &eval(checkpoint, "candle"),
+        1,
+        "a DFlash2 or sliding-window drafter is decoded by the torch engine only: pass --engine torch",
+    );
+    let bad = dir.path().join("no-successor");
+    fs::create_dir(&bad).unwrap();
+    fs::copy(
+        Path::new(checkpoint).join("config.json"),
+        bad.join("config.json"),
+    )
+    .unwrap();
+    let bytes = fs::read(Path::new(checkpoint).join("model.safetensors")).unwrap();
+    let tensors = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let kept: Vec<(String, safetensors::tensor::TensorView)> = tensors
+        .tensors()
+        .into_iter()
+        .filter(|(name, _)| name != "candidate_selector.successor_codebook")
+        .collect();
+    safetensors::serialize_to_file(kept, None, &bad.join("model.safetensors")).unwrap();
+    assert_refused(
+        &eval(bad.to_str().unwrap(), "torch"),
+        1,
+        "lacks ['candidate_selector.successor_codebook']",
+    );
 }
 
 /// The same on a Llama target.

@@ -428,6 +428,7 @@ fn pointer<'a>(value: &'a Value, path: &[&str]) -> Option<&'a Value> {
 fn compact(value: &Value) -> String {
     match value {
         Value::String(s) => s.clone(),
+        Value::Null => "none".into(),
         other => other.to_string(),
     }
 }
@@ -547,6 +548,54 @@ mod tests {
             "{e}"
         );
         assert!(!e.contains("--synthetic 100"), "{e}");
+    }
+
+    /// A DFlash run resumed as DFlash2 (or the reverse, or with other DFlash2 sizes) is
+    /// refused, naming the option, its value and the run's; a DFlash journal from before DFlash2
+    /// existed reads as a DFlash run.
+    #[test]
+    fn the_drafters_architecture_may_not_change_on_resume() {
+        use dflash_common::dflash::DrafterArch;
+        let mut stored = config();
+        stored.dflash = Some(crate::runtime::memory::tests::settings(4096));
+        let mut session = stored.clone();
+        session.dflash.as_mut().unwrap().drafter_arch = DrafterArch::Dflash2;
+        let e = merge(
+            stored.clone(),
+            &given(&["drafter-arch"], &session),
+            &session,
+        )
+        .unwrap_err();
+        assert!(
+            e.contains("--drafter-arch dflash2 (the run has dflash)"),
+            "{e}"
+        );
+        let e = merge(session.clone(), &given(&["drafter-arch"], &stored), &stored).unwrap_err();
+        assert!(
+            e.contains("--drafter-arch dflash (the run has dflash2)"),
+            "{e}"
+        );
+        let mut wider = session.clone();
+        wider.dflash.as_mut().unwrap().dflash2.selector_top_k = 32;
+        wider.dflash.as_mut().unwrap().sliding_window = Some(2048);
+        let e = merge(
+            session.clone(),
+            &given(&["selector-top-k", "sliding-window"], &wider),
+            &wider,
+        )
+        .unwrap_err();
+        assert!(e.contains("--selector-top-k 32 (the run has 16)"), "{e}");
+        assert!(
+            e.contains("--sliding-window 2048 (the run has none)"),
+            "{e}"
+        );
+        // Journals written before the option: their run line has no `drafter_arch`.
+        let mut old = serde_json::to_value(&stored).unwrap();
+        for key in ["drafter_arch", "dflash2", "sliding_window"] {
+            old["dflash"].as_object_mut().unwrap().remove(key);
+        }
+        let old: RunConfig = serde_json::from_value(old).unwrap();
+        assert!(merge(old, &given(&["drafter-arch"], &session), &session).is_err());
     }
 
     #[test]
