@@ -145,6 +145,17 @@ pub struct TrainMetrics {
     /// Seconds of compute.
     pub compute_s: f64,
     pub update: Option<Update>,
+    /// DFlash2's selector: its weighted mean cross-entropy and, per block position, its right
+    /// picks (of the same positions counted).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selector: Option<SelectorMetrics>,
+}
+
+/// What DFlash2's candidate selector learned in a micro-batch.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SelectorMetrics {
+    pub loss: f64,
+    pub correct: Vec<u32>,
 }
 
 /// Worker -> orchestrator.

@@ -12,8 +12,9 @@ use std::time::Duration;
 
 use dflash_e2e::planted::Planted;
 use dflash_e2e::{
-    assert_clean, assert_refused, bin, children, finish, journal_events, launch_with, orch, script,
-    signal, stdout_ok, test_python, tiny_target, wait_until, worker_pid, workspace_root,
+    assert_clean, assert_refused, bin, children, final_checkpoint, finish, journal_events,
+    launch_with, orch, script, signal, stdout_ok, test_python, tiny_target, wait_until, worker_pid,
+    workspace_root,
 };
 use serde_json::Value;
 
@@ -752,6 +753,72 @@ fn killed_torch_workers_lose_nothing_and_a_resume_keeps_the_engine() {
         "the resumed run's final model.safetensors differs from the undisturbed run's"
     );
     assert_clean(&run_dir);
+}
+
+/// A DFlash2 drafter with sliding-window layers, its worker SIGKILLed mid-run: the run ends with
+/// the undisturbed run's `model.safetensors`, byte for byte (exact replay holds for the
+/// convolutions, the selector and its loss as for DFlash). Its metrics carry the selector's loss
+/// and right picks.
+#[test]
+fn a_dflash2_drafter_killed_mid_run_ends_with_identical_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = tiny_target(dir.path());
+    let arch = [
+        "--drafter-arch",
+        "dflash2",
+        "--selector-top-k",
+        "8",
+        "--selector-rank",
+        "32",
+        "--sliding-window",
+        "24",
+        "--block-size",
+        "8",
+    ];
+    let reference = dir.path().join("reference");
+    finish(launch(&reference, &target, "torch", &arch).spawn().unwrap());
+    let run_dir = dir.path().join("run");
+    let child = launch(&run_dir, &target, "torch", &arch).spawn().unwrap();
+    wait_until("a checkpoint and more", Duration::from_secs(300), || {
+        journal_events(&run_dir, "commit").len() >= 24
+    });
+    let (_, drafter) = worker_pid(&run_dir, "drafter");
+    signal(drafter, "KILL");
+    finish(child);
+    let exits = journal_events(&run_dir, "worker_exit");
+    assert!(
+        exits
+            .iter()
+            .any(|e| e["pid"].as_u64() == Some(drafter as u64)),
+        "the drafter {drafter} exited: {exits:?}"
+    );
+    assert!(
+        final_weights(&run_dir) == final_weights(&reference),
+        "final model.safetensors differs from the undisturbed run's"
+    );
+    assert_clean(&run_dir);
+    let config: Value = serde_json::from_slice(
+        &fs::read(
+            final_checkpoint(&run_dir)
+                .parent()
+                .unwrap()
+                .join("config.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(config["architectures"][0], "DFlash2DraftModel");
+    assert_eq!(config["sliding_window"], 24);
+    assert_eq!(config["is_causal"], false);
+    let trains: Vec<Value> = fs::read_to_string(reference.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|l| l["kind"] == "train")
+        .collect();
+    let last = trains.last().unwrap();
+    assert!(last["selector_loss"].as_f64().unwrap() > 0.0, "{last}");
+    assert!(last["selector_accuracy"].as_f64().is_some(), "{last}");
 }
 
 /// A launch with `extra` on `python`, refused with exit 2 and an error line naming `needle`,

@@ -907,8 +907,13 @@ impl Stage for DrafterStage {
         }
         // A micro-batch with nothing to learn from still takes its place in the group.
         self.micro += 1;
-        let (loss, anchors, correct, counted) =
-            (batch.loss, batch.anchors, batch.correct, batch.counted);
+        let (loss, anchors, correct, counted, selector) = (
+            batch.loss,
+            batch.anchors,
+            batch.correct,
+            batch.counted,
+            batch.selector,
+        );
         self.group_loss += loss / f64::from(group.len);
         let mut update = None;
         if group.is_last_of_rank(self.rank.ranks) {
@@ -924,6 +929,7 @@ impl Stage for DrafterStage {
                 anchors,
                 compute_s: started.elapsed().as_secs_f64(),
                 update,
+                selector,
             }),
         ))
     }

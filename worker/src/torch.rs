@@ -579,6 +579,17 @@ impl crate::dflash::DrafterCompute for DrafterEngine {
             anchors: number(&answer, "anchors")? as u32,
             correct: counts(&answer, "correct")?,
             counted: counts(&answer, "counted")?,
+            selector: match answer.get("selector_loss") {
+                None => None,
+                Some(_) => Some(dflash_common::wire::SelectorMetrics {
+                    loss: if weight > 0.0 {
+                        number(&answer, "selector_loss")?
+                    } else {
+                        0.0
+                    },
+                    correct: counts(&answer, "selector_correct")?,
+                }),
+            },
         })
     }
 

@@ -403,6 +403,10 @@ impl Metrics {
         }
         let mut g = Sums::default();
         let mut loss = 0.0;
+        // DFlash2's selector: its loss's mean over the micro-batches that report it, its right
+        // picks over the positions counted in them.
+        let (mut selector_loss, mut selector_micro) = (0.0, 0u32);
+        let (mut picks, mut picked_of) = (0u64, 0u64);
         // The mean over the micro-batches reported here: the whole group's on one node, this
         // node's share of it on one of several.
         let reported = micro.len() as f64;
@@ -417,6 +421,12 @@ impl Metrics {
             g.anchors += u64::from(m.anchors);
             g.compute_s += m.compute_s;
             loss += m.loss / reported;
+            if let Some(s) = &m.selector {
+                selector_loss += s.loss;
+                selector_micro += 1;
+                picks += s.correct.iter().map(|&c| u64::from(c)).sum::<u64>();
+                picked_of += m.counted.iter().map(|&c| u64::from(c)).sum::<u64>();
+            }
         }
         let plan_step = start + len - 1;
         let update = Update { loss, ..update };
@@ -436,7 +446,7 @@ impl Metrics {
         if update.skipped.is_some() {
             self.skipped_steps += 1;
         }
-        let line = json!({
+        let mut line = json!({
             "epoch": epoch,
             "step": update.step,
             "plan_step": plan_step,
@@ -454,6 +464,16 @@ impl Metrics {
             "skipped_steps": self.skipped_steps,
             "reduce_s": update.reduce_s,
         });
+        let selector = (selector_micro > 0).then(|| {
+            (
+                selector_loss / f64::from(selector_micro),
+                picks as f64 / picked_of.max(1) as f64,
+            )
+        });
+        if let Some((l, a)) = selector {
+            line["selector_loss"] = l.into();
+            line["selector_accuracy"] = a.into();
+        }
         let time = self.line("train", line.clone())?;
         let mut values = vec![
             ("train/loss", update.loss),
@@ -468,6 +488,10 @@ impl Metrics {
             .collect();
         for (tag, &a) in position_tags.iter().zip(&accuracy) {
             values.push((tag, a));
+        }
+        if let Some((l, a)) = selector {
+            values.push(("train/selector_loss", l));
+            values.push(("train/selector_accuracy", a));
         }
         self.scalars(update.step as i64, time, &values);
         if let Some(p) = &self.prom {
@@ -565,6 +589,7 @@ mod tests {
             anchors: 2,
             compute_s: 0.1,
             update,
+            selector: None,
         };
         let group = |index| PlanGroup { index, len: 4 };
         assert!(

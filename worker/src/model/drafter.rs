@@ -792,6 +792,8 @@ pub struct MicroBatchLoss {
     /// Per block position: correct and counted predictions.
     pub correct: Vec<u32>,
     pub counted: Vec<u32>,
+    /// DFlash2's selector's loss and right picks (the torch engine's DFlash2 drafter).
+    pub selector: Option<dflash_common::wire::SelectorMetrics>,
 }
 
 /// One micro-batch: its sequences packed one after another in `features` (rows), `tokens` and
@@ -847,6 +849,7 @@ impl Drafter {
             anchors: 0,
             correct: vec![0; block],
             counted: vec![0; block],
+            selector: None,
         };
         if weight <= 0.0 {
             return Ok((None, out));
