@@ -146,8 +146,8 @@ pub struct TrainMetrics {
     pub compute_s: f64,
     pub update: Option<Update>,
     /// DFlash2's selector: its weighted mean cross-entropy and, per block position, its right
-    /// picks (of the same positions counted).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// picks (of the same positions counted). Always written: the IPC encoding is not
+    /// self-describing, so no field may be left out.
     pub selector: Option<SelectorMetrics>,
 }
 
@@ -203,6 +203,61 @@ pub fn recv<T: for<'de> Deserialize<'de> + Serialize>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every shape of a trained step's metrics crosses the IPC channel whole, with the DFlash2
+    /// selector's figures and without them (a field left out of the encoding would shift every
+    /// field after it).
+    #[test]
+    fn train_metrics_cross_the_channel_with_and_without_the_selector() {
+        let (tx, rx) = ipc_channel::ipc::channel::<Event>().unwrap();
+        let metrics = |selector| TrainMetrics {
+            loss: 1.5,
+            correct: vec![0, 3],
+            counted: vec![0, 4],
+            anchors: 2,
+            compute_s: 0.25,
+            update: Some(Update {
+                step: 7,
+                lr: 1e-3,
+                grad_norm: 0.5,
+                loss: 1.5,
+                checkpoint: false,
+                skipped: None,
+                reduce_s: 0.0,
+            }),
+            selector,
+        };
+        let id = BatchId {
+            epoch: 1,
+            batch: 2,
+            step: 3,
+        };
+        for selector in [
+            None,
+            Some(SelectorMetrics {
+                loss: 0.7,
+                correct: vec![0, 2],
+            }),
+        ] {
+            let sent = metrics(selector);
+            tx.send(Event::Trained {
+                id,
+                checksum: 9,
+                metrics: Some(sent.clone()),
+            })
+            .unwrap();
+            tx.send(Event::Ready).unwrap();
+            match recv(&rx).unwrap() {
+                Event::Trained {
+                    metrics: Some(got),
+                    checksum: 9,
+                    ..
+                } => assert_eq!(format!("{got:?}"), format!("{sent:?}")),
+                other => panic!("{other:?}"),
+            }
+            assert!(matches!(recv(&rx).unwrap(), Event::Ready));
+        }
+    }
 
     #[test]
     fn groups_follow_the_planner_windows() {
