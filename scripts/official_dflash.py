@@ -16,7 +16,10 @@ needs, or would default silently (see REQUIRED), must be present: a default woul
 
 Every row of the JSONL prompts file is {"input_ids": [...]}. Each prompt is decoded greedily twice
 with `dflash_generate`: speculatively (the drafter's block size, or --block-size) and plainly
-(block size 1, the official baseline). Prints one JSON object on stdout:
+(block size 1, the official baseline). With --temperature T (and --top-p, --top-k) it is decoded
+once, by the package's speculative sampling (`_rejection_sample`), after seeding torch's
+generator with prompt i's stream of --seed, the stream `dflash-orch eval --seed` gives prompt i;
+then baseline_ids and lossless are null. Prints one JSON object on stdout:
     {"tau": mean over prompts of mean(acceptance_lengths), "pooled_tau": mean over all steps,
      "prompts": [{"output_ids", "acceptance_lengths", "baseline_ids", "lossless"}], "lossless"}
 where the ids are the new tokens only and lossless means output_ids == baseline_ids. Everything
@@ -113,7 +116,15 @@ def main():
     p.add_argument("--max-new-tokens", type=int, required=True)
     p.add_argument("--stop-token-ids", type=lambda s: [int(x) for x in s.split(",") if x.strip()])
     p.add_argument("--block-size", type=int)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample at this temperature (dflash_generate's own rejection sampling)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="prompt i (0-based) is decoded after torch.manual_seed(stream(seed, i)), "
+                        "the stream our eval seeds prompt i's generator with")
     args = p.parse_args()
+    sampled = args.temperature > 0
 
     if not hasattr(DynamicCache, "activate_past_recording"):
         fail(f"transformers {transformers.__version__} has no DynamicCache.activate_past_recording, which "
@@ -133,30 +144,35 @@ def main():
         if not line.strip():
             continue
         input_ids = torch.tensor([json.loads(line)["input_ids"]], dtype=torch.long)
+        stream = (args.seed * 0x9E3779B97F4A7C15 + len(rows)) % 2**63
 
         def generate(bs):
+            torch.manual_seed(stream)
             out = dflash_generate(draft, target, input_ids, args.max_new_tokens, args.stop_token_ids,
-                                  temperature=0.0, block_size=bs, return_stats=True)
+                                  temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                  block_size=bs, return_stats=True)
             return out.output_ids[0, out.num_input_tokens:].tolist(), out.acceptance_lengths
 
         output_ids, acceptance = generate(block_size)
-        baseline_ids, _ = generate(1)
+        # Sampled outputs differ from the target's own draws by design: no token comparison.
+        baseline_ids = None if sampled else generate(1)[0]
         rows.append({"output_ids": output_ids, "acceptance_lengths": acceptance,
-                     "baseline_ids": baseline_ids, "lossless": output_ids == baseline_ids})
+                     "baseline_ids": baseline_ids,
+                     "lossless": None if sampled else output_ids == baseline_ids})
         log(f"prompt {line_no}: {len(output_ids)} tokens in {len(acceptance)} steps, "
             f"lossless {rows[-1]['lossless']}")
 
     per_prompt = [sum(r["acceptance_lengths"]) / len(r["acceptance_lengths"])
                   for r in rows if r["acceptance_lengths"]]
     pooled = [a for r in rows for a in r["acceptance_lengths"]]
-    lossless = all(r["lossless"] for r in rows)
+    lossless = None if sampled else all(r["lossless"] for r in rows)
     print(json.dumps({
         "tau": sum(per_prompt) / len(per_prompt) if per_prompt else None,
         "pooled_tau": sum(pooled) / len(pooled) if pooled else None,
         "prompts": rows,
         "lossless": lossless,
     }))
-    sys.exit(0 if lossless else 1)
+    sys.exit(0 if lossless or sampled else 1)
 
 
 if __name__ == "__main__":

@@ -337,8 +337,48 @@ impl DraftConfig {
     }
 }
 
-/// What a worker evaluates: greedy decoding of each prompt by the target alone and with the
-/// drafter (speculative), on this worker's device.
+/// How `eval` samples: at `temperature` (> 0) over the `top_k` most likely tokens (0: all), then
+/// the head of mass `top_p`, as the official DFlash package defines them; drafts are verified by
+/// rejection sampling. Prompt i draws from a stream of its own, [`Sampling::stream`].
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Sampling {
+    pub temperature: f64,
+    pub top_p: f64,
+    pub top_k: u32,
+    pub seed: u64,
+}
+
+/// The highest temperature `eval` takes (past it the distribution is flat to many digits).
+pub const MAX_TEMPERATURE: f64 = 100.0;
+
+impl Sampling {
+    /// Refuses what no decoder can sample from: a temperature outside `(0, MAX_TEMPERATURE]`, a
+    /// top-p outside `(0, 1]`, values that are not finite.
+    pub fn check(&self) -> Result<(), String> {
+        if !(self.temperature > 0.0 && self.temperature <= MAX_TEMPERATURE) {
+            return Err(format!(
+                "temperature {} is outside (0, {MAX_TEMPERATURE}] (0 is greedy decoding)",
+                self.temperature
+            ));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(format!("top-p {} is outside (0, 1]", self.top_p));
+        }
+        Ok(())
+    }
+
+    /// The seed of prompt `index`'s random stream (the torch decoder seeds its generator with it;
+    /// the official package's `torch.manual_seed` with the same value draws the same numbers).
+    pub fn stream(&self, index: u64) -> u64 {
+        self.seed
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            .wrapping_add(index)
+            % (1u64 << 63)
+    }
+}
+
+/// What a worker evaluates: decoding of each prompt by the target alone and with the drafter
+/// (speculative), greedy or sampled, on this worker's device.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct EvalRequest {
     pub version: u32,
@@ -362,6 +402,9 @@ pub struct EvalRequest {
     /// Decode on the torch engine with this Python (`python -m dflash_orch.decode`); none: candle.
     #[serde(default)]
     pub torch: Option<TorchRuntime>,
+    /// Sample at a temperature, verifying drafts by rejection sampling; none: greedy.
+    #[serde(default)]
+    pub sampling: Option<Sampling>,
 }
 
 /// One prompt's outcome, as the worker prints it (one JSON line).

@@ -2,7 +2,8 @@
 `python -m dflash_orch.decode eval|generate`, started by `dflash-worker` in place of its candle
 decoder, with the same request on stdin and the same answers on stdout.
 
-- eval: one request line (`EvalRequest`); prints one `PromptResult` line per prompt. Greedy
+- eval: one request line (`EvalRequest`); prints one `PromptResult` line per prompt. Greedy (or,
+  with `sampling`, sampled and verified by rejection sampling, see `Decoder.generate`)
   speculative decoding with the `transformers` target (its KV cache) and our torch drafter, as
   the candle decoder runs it: the drafter fills `[last token, MASK x (B - 1)]` in one pass, seeing
   the target's hidden states at `target_layer_ids` of every position before the block; one target
@@ -43,6 +44,77 @@ def _dtype_name(precision):
     return {"f32": "f32", "bf16": "bf16"}[precision]
 
 
+class Sampling:
+    """`eval --temperature`: the distribution a row of logits gives, as the official package
+    defines it: scores = logits / T in f32; over the `top_k` largest only (0, or the whole
+    vocabulary: all); softmax; then the tokens in falling order while the mass before each is
+    below `top_p`, renormalised."""
+
+    def __init__(self, spec):
+        self.temperature = float(spec["temperature"])
+        self.top_p = float(spec["top_p"])
+        self.top_k = int(spec["top_k"])
+        self.seed = int(spec["seed"])
+        if not 0 < self.temperature <= 100 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ValueError(f"sampling {spec}: temperature must be in (0, 100], top_p in (0, 1], "
+                             f"top_k 0 or more")
+
+    def stream(self, index):
+        """The seed of prompt `index`'s draws (`dflash_common::eval::Sampling::stream`)."""
+        return (self.seed * 0x9E3779B97F4A7C15 + index) % 2**63
+
+    def probs(self, logits):
+        scores = logits.float() / self.temperature
+        vocab = scores.shape[-1]
+        kept = None
+        if 0 < self.top_k < vocab:
+            scores, kept = torch.topk(scores, self.top_k, dim=-1)
+        probs = torch.softmax(scores, dim=-1)
+        if self.top_p < 1.0:
+            ranked, order = probs.sort(dim=-1, descending=True)
+            ranked = ranked * ((ranked.cumsum(dim=-1) - ranked) < self.top_p)
+            probs = torch.zeros_like(probs).scatter(-1, order, ranked)
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+        if kept is not None:
+            probs = torch.zeros(logits.shape, dtype=probs.dtype,
+                                device=probs.device).scatter(-1, kept, probs)
+        return probs
+
+
+def verify_drafts(proposal, target, generator):
+    """Rejection sampling of one block: `proposal` is (drafted tokens `[g]`, their distributions
+    `[g, V]`, or `[g, K]` over candidate ids `[g, K]`, those ids or None), or None when nothing
+    was drafted; `target` the target's distributions `[g + 1, V]`. Each drafted token `x` is kept
+    while a uniform u has u·q(x) < p(x); at the first rejection the next token is drawn from
+    max(p − q, 0) renormalised (p itself where that is all zero), else from the last row. Returns
+    (tokens accepted, the next token)."""
+    if proposal is None:
+        return 0, int(torch.multinomial(target[-1:], 1, generator=generator)[0, 0])
+    drafted, q, indices = proposal
+    g = drafted.shape[0]
+    p = target[:g].gather(-1, drafted[:, None])[:, 0]
+    if indices is None:
+        qx = q.gather(-1, drafted[:, None])[:, 0]
+    else:
+        qx = (q * (indices == drafted[:, None])).sum(-1)
+    u = torch.rand(qx.shape, dtype=qx.dtype, device=qx.device, generator=generator)
+    accepted = int((u * qx < p).to(torch.int32).cumprod(-1).sum())
+    if accepted == g:
+        return g, int(torch.multinomial(target[-1:], 1, generator=generator)[0, 0])
+    residual = target[accepted].clone()
+    if indices is None:
+        residual.sub_(q[accepted])
+    else:
+        residual.scatter_add_(0, indices[accepted], -q[accepted])
+    residual.clamp_min_(0)
+    total = residual.sum()
+    if total > 0:
+        residual = residual / total
+    else:
+        residual = target[accepted]
+    return accepted, int(torch.multinomial(residual[None], 1, generator=generator)[0, 0])
+
+
 class Decoder:
     """The target with its KV cache, and optionally the drafter."""
 
@@ -56,13 +128,13 @@ class Decoder:
         self.block = block_size or (drafter.block if drafter else 1)
 
     def _run(self, tokens, cache, start, features):
-        """Runs `tokens` at positions `start..` after what `cache` holds: the greedy next token
-        after each, and the drafter's features `[n, width]` when asked."""
+        """Runs `tokens` at positions `start..` after what `cache` holds: the logits after each
+        `[n, vocab]`, and the drafter's features `[n, width]` when asked."""
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + len(tokens), device=self.device).unsqueeze(0)
         out = self.model(input_ids=ids, position_ids=positions, past_key_values=cache,
                          use_cache=True, output_hidden_states=features)
-        next_ids = out.logits[0].float().argmax(-1).tolist()
+        next_ids = out.logits[0]
         feats = None
         if features:
             feats = torch.cat([out.hidden_states[k + 1][0] for k in self.drafter.target_layer_ids],
@@ -70,9 +142,12 @@ class Decoder:
         return next_ids, feats, out.past_key_values
 
     @torch.inference_mode()
-    def generate(self, prompt, max_new_tokens, stop, speculative):
-        """Greedy decoding of `prompt`: (new tokens, tokens gained per verify step, seconds after
-        the prefill)."""
+    def generate(self, prompt, max_new_tokens, stop, speculative, sampling=None, generator=None):
+        """Decoding of `prompt`, greedy, or with `sampling` (a `Sampling`) drawing from
+        `generator` (drafts verified by rejection sampling): (new tokens, tokens gained per verify
+        step, seconds after the prefill). The draws are made in the official package's order
+        (the prefill's token; per step the draft, then the acceptance uniforms and one more
+        token), so the same seed gives its tokens."""
         from transformers import DynamicCache
 
         if not prompt:
@@ -83,8 +158,12 @@ class Decoder:
         block = self.block if draft else 1
         mask = draft.mask_token if draft else 0
         cache = DynamicCache()
-        next_ids, feats, cache = self._run(prompt, cache, 0, draft is not None)
-        out = list(prompt) + [next_ids[-1]]
+        logits, feats, cache = self._run(prompt, cache, 0, draft is not None)
+        if sampling is None:
+            first = int(logits[-1].float().argmax())
+        else:
+            first = int(torch.multinomial(sampling.probs(logits[-1:]), 1, generator=generator)[0, 0])
+        out = list(prompt) + [first]
         if max_new_tokens == 0:
             out = out[:n]
         context = None
@@ -97,14 +176,26 @@ class Decoder:
         while start + 1 < max_length and not stopped:
             verify = min(block, max_length - start)
             tokens = [out[start]]
+            proposal = None
             if verify > 1 and draft is not None:
-                tokens += draft.draft(context, out[start], start, verify)[:verify - 1]
+                if sampling is None:
+                    tokens += draft.draft(context, out[start], start, verify)[:verify - 1]
+                else:
+                    drafted, q, indices = draft.draft_sampled(context, out[start], start, verify,
+                                                              sampling, generator)
+                    tokens += drafted.tolist()
+                    proposal = (drafted, q, indices)
             tokens += [mask] * (verify - len(tokens))
-            posterior, feats, cache = self._run(tokens, cache, start, verify > 1 and draft is not None)
-            accepted = 0
-            while accepted < verify - 1 and tokens[1 + accepted] == posterior[accepted]:
-                accepted += 1
-            gained = tokens[1:1 + accepted] + [posterior[accepted]]
+            logits, feats, cache = self._run(tokens, cache, start, verify > 1 and draft is not None)
+            if sampling is None:
+                posterior = logits.float().argmax(-1).tolist()
+                accepted = 0
+                while accepted < verify - 1 and tokens[1 + accepted] == posterior[accepted]:
+                    accepted += 1
+                nxt = posterior[accepted]
+            else:
+                accepted, nxt = verify_drafts(proposal, sampling.probs(logits), generator)
+            gained = tokens[1:1 + accepted] + [nxt]
             gained = gained[:max_length - start - 1]
             for i, t in enumerate(gained):
                 if t in stop:
@@ -167,12 +258,20 @@ def run_eval(stream, answers):
         raise SystemExit(f"{req['drafter']}: target_layer_ids {drafter.target_layer_ids} names a "
                          f"layer beyond the target's {decoder.layers}")
     stop = set(req["stop_token_ids"])
+    sampling = Sampling(req["sampling"]) if req.get("sampling") else None
+    max_new = int(req["max_new_tokens"])
     for i, prompt in enumerate(req["prompts"]):
-        ids, acceptance, seconds = decoder.generate(prompt, int(req["max_new_tokens"]), stop, True)
+        spec_rng = base_rng = None
+        if sampling is not None:
+            # Prompt i's own streams (the baseline's apart): the same seed, the same tokens.
+            spec_rng = torch.Generator(device=decoder.device).manual_seed(sampling.stream(i))
+            base_rng = torch.Generator(device=decoder.device).manual_seed(
+                sampling.stream(i) ^ (2**63 - 1))
+        ids, acceptance, seconds = decoder.generate(prompt, max_new, stop, True, sampling, spec_rng)
         result = {"prompt": i, "output_ids": ids, "acceptance": acceptance,
                   "speculative_seconds": seconds, "baseline_ids": None, "baseline_seconds": None}
         if req.get("baseline"):
-            base, _, base_s = decoder.generate(prompt, int(req["max_new_tokens"]), stop, False)
+            base, _, base_s = decoder.generate(prompt, max_new, stop, False, sampling, base_rng)
             result["baseline_ids"], result["baseline_seconds"] = base, base_s
         answers.write(json.dumps(result) + "\n")
         answers.flush()

@@ -317,6 +317,38 @@ class TorchDrafter:
             return path.tolist()
         return logits.argmax(-1).tolist()
 
+    def draft_sampled(self, context, token, position, b, sampling, generator):
+        """`draft` drawing the tokens instead, the way the official package proposes them:
+        DFlash draws every position at once from `sampling.probs(logits)` (one multinomial call
+        over the rows); DFlash2 walks the positions, drawing each from softmax(scores / T) over
+        its top-K candidates. Returns (tokens `[b - 1]`, their distributions, and for DFlash2
+        the candidate ids those distributions are over `[b - 1, K]`, else None)."""
+        x = self.block_states(context, [token], [position], b)
+        logits = F.linear(x[1:b], self.lm_head).float()
+        if self.dflash2:
+            return self.select_sampled(x[1:b], logits, token, sampling.temperature, generator)
+        q = sampling.probs(logits)
+        return torch.multinomial(q, 1, generator=generator)[:, 0], q, None
+
+    def select_sampled(self, x, logits, previous, temperature, generator):
+        """`select` drawing each position's candidate from softmax(scores / temperature)."""
+        k = self.dflash2["top_k"]
+        # Unsorted, as the official selector takes them: a draw's index names the same token.
+        unary, candidates = torch.topk(logits, k, dim=-1, sorted=False)
+        hidden = F.linear(x.float(), self.P[SELECTOR + "hidden_projection.weight"])
+        before = self.P[SELECTOR + "predecessor_codebook"]
+        after = self.P[SELECTOR + "successor_codebook"]
+        prev = torch.tensor(int(previous), device=x.device)
+        path, rows = [], []
+        for t in range(x.shape[0]):
+            score = unary[t] + (after[candidates[t]] * (before[prev] * hidden[t])).sum(-1)
+            q = torch.softmax(score.float()[None] / temperature, dim=-1)
+            index = torch.multinomial(q, 1, generator=generator)[0, 0]
+            prev = candidates[t, index]
+            path.append(prev)
+            rows.append(q[0])
+        return torch.stack(path), torch.stack(rows), candidates
+
     def select(self, x, logits, previous):
         """DFlash2's greedy walk over one block's positions (`x`: their final hidden states,
         `logits`: the head's): at each, the head's top-K candidates `c` are scored

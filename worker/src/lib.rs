@@ -17,6 +17,7 @@ pub mod faults;
 pub mod generate;
 pub mod model;
 pub mod rng;
+pub mod sampling;
 pub mod speculative;
 pub mod stage;
 pub mod torch;

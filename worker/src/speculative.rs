@@ -13,10 +13,12 @@ use std::path::Path;
 use std::time::Instant;
 
 use candle_core::{D, DType, Device, Tensor};
-use dflash_common::eval::DraftConfig;
+use dflash_common::eval::{DraftConfig, Sampling};
 
 use crate::model::drafter::{Drafter, DrafterConfig, Heads};
 use crate::model::qwen3::{KvCache, ModelError, Qwen3};
+use crate::rng::SplitMix64;
+use crate::sampling::{Proposal, draw, probabilities};
 
 /// The target with its output head, ready to decode.
 pub struct Target<'a> {
@@ -39,6 +41,21 @@ pub trait Proposer {
     fn extend(&mut self, features: &Tensor, offset: usize) -> Result<(), String>;
     /// The `b - 1` tokens after `token` at `position`, every position before it known.
     fn propose(&mut self, token: u32, position: usize, b: usize) -> Result<Vec<u32>, String>;
+    /// [`Proposer::propose`] when sampling at `sampling`: the tokens and what each was drawn
+    /// from. A proposer that chooses its tokens deterministically keeps this default (each a
+    /// [`Proposal::Point`]), and rejection sampling stays exact for it.
+    fn propose_sampled(
+        &mut self,
+        token: u32,
+        position: usize,
+        b: usize,
+        _sampling: &Sampling,
+        _rng: &mut SplitMix64,
+    ) -> Result<(Vec<u32>, Vec<Proposal>), String> {
+        let tokens = self.propose(token, position, b)?;
+        let points = vec![Proposal::Point; tokens.len()];
+        Ok((tokens, points))
+    }
 }
 
 /// The DFlash drafter with what it borrows from the target, and its context of the prompt
@@ -95,6 +112,33 @@ impl Proposer for Draft<'_> {
             .draft(&self.context, token, position, b, self.heads)
             .map_err(err)
     }
+
+    /// Each position's token drawn from the drafter's distribution at `sampling`, in order.
+    fn propose_sampled(
+        &mut self,
+        token: u32,
+        position: usize,
+        b: usize,
+        sampling: &Sampling,
+        rng: &mut SplitMix64,
+    ) -> Result<(Vec<u32>, Vec<Proposal>), String> {
+        let Some(logits) = self
+            .drafter
+            .draft_logits(&self.context, token, position, b, self.heads)
+            .map_err(err)?
+        else {
+            return Ok((Vec::new(), Vec::new()));
+        };
+        let rows = logits.to_vec2::<f32>().map_err(err)?;
+        let mut tokens = Vec::with_capacity(rows.len());
+        let mut proposals = Vec::with_capacity(rows.len());
+        for row in &rows {
+            let q = probabilities(row, sampling)?;
+            tokens.push(draw(&q, rng));
+            proposals.push(Proposal::Drawn(q));
+        }
+        Ok((tokens, proposals))
+    }
 }
 
 /// One prompt decoded.
@@ -112,6 +156,14 @@ fn err(e: impl std::fmt::Display) -> String {
     e.to_string()
 }
 
+/// The greedy choice of each row of `[rows, vocab]` f32 logits.
+fn argmax_rows(logits: &Tensor) -> Result<Vec<u32>, String> {
+    logits
+        .argmax(D::Minus1)
+        .and_then(|l| l.to_vec1::<u32>())
+        .map_err(err)
+}
+
 impl Target<'_> {
     /// The hidden-state indices a step asks for: the drafter's features (layer id k is hidden
     /// state k + 1), then the final normed state for the logits.
@@ -123,9 +175,9 @@ impl Target<'_> {
         indices
     }
 
-    /// Runs `tokens` after what `cache` holds: the greedy next token after each of the last
-    /// `choices` of them (only those rows meet the output head: a prefill needs one, not a
-    /// `[prompt, vocab]` matrix), and the drafter's features of each (`[n, width]`) when asked.
+    /// Runs `tokens` after what `cache` holds: the logits (f32, `[rows, vocab]`) after each of
+    /// the last `choices` of them (only those rows meet the output head: a prefill needs one, not
+    /// a `[prompt, vocab]` matrix), and the drafter's features of each (`[n, width]`) when asked.
     fn step(
         &self,
         cache: &mut KvCache,
@@ -133,7 +185,7 @@ impl Target<'_> {
         indices: &[usize],
         features: bool,
         choices: usize,
-    ) -> Result<(Vec<u32>, Option<Tensor>), String> {
+    ) -> Result<(Tensor, Option<Tensor>), String> {
         let mut states = self
             .model
             .extend(std::slice::from_mut(cache), &[tokens], indices)
@@ -146,8 +198,6 @@ impl Target<'_> {
             .narrow(0, tokens.len() - rows, rows)
             .and_then(|l| l.matmul(&self.lm_head.t()?))
             .and_then(|l| l.to_dtype(DType::F32))
-            .and_then(|l| l.argmax(D::Minus1))
-            .and_then(|l| l.to_vec1::<u32>())
             .map_err(err)?;
         let features = if features && !states.is_empty() {
             Some(Tensor::cat(&states, D::Minus1).map_err(err)?)
@@ -162,11 +212,39 @@ impl Target<'_> {
     /// after the first of `stop` generated.
     pub fn generate(
         &self,
-        mut draft: Option<&mut dyn Proposer>,
+        draft: Option<&mut dyn Proposer>,
         prompt: &[u32],
         max_new_tokens: usize,
         stop: &[u32],
     ) -> Result<Generation, String> {
+        self.decode(draft, prompt, max_new_tokens, stop, None)
+    }
+
+    /// [`Target::generate`] sampling at `sampling` from `rng`: the drafted tokens verified by
+    /// rejection sampling, so the output is distributed as the target's own sampling.
+    pub fn sample(
+        &self,
+        draft: Option<&mut dyn Proposer>,
+        prompt: &[u32],
+        max_new_tokens: usize,
+        stop: &[u32],
+        sampling: &Sampling,
+        rng: &mut SplitMix64,
+    ) -> Result<Generation, String> {
+        self.decode(draft, prompt, max_new_tokens, stop, Some((sampling, rng)))
+    }
+
+    fn decode(
+        &self,
+        mut draft: Option<&mut dyn Proposer>,
+        prompt: &[u32],
+        max_new_tokens: usize,
+        stop: &[u32],
+        mut sampling: Option<(&Sampling, &mut SplitMix64)>,
+    ) -> Result<Generation, String> {
+        if let Some((s, _)) = &sampling {
+            s.check()?;
+        }
         if prompt.is_empty() {
             return Err("an empty prompt".into());
         }
@@ -176,9 +254,16 @@ impl Target<'_> {
         let mask = draft.as_deref().map_or(0, |d| d.mask_token());
         let indices = self.indices(draft.as_deref());
         let mut cache = KvCache::default();
-        let (next, features) = self.step(&mut cache, prompt, &indices, draft.is_some(), 1)?;
+        let (logits, features) = self.step(&mut cache, prompt, &indices, draft.is_some(), 1)?;
         let mut out: Vec<u32> = prompt.to_vec();
-        out.push(*next.last().ok_or("no logits")?);
+        let first = match sampling.as_mut() {
+            None => *argmax_rows(&logits)?.last().ok_or("no logits")?,
+            Some((s, rng)) => {
+                let rows = logits.to_vec2::<f32>().map_err(err)?;
+                draw(&probabilities(rows.last().ok_or("no logits")?, s)?, rng)
+            }
+        };
+        out.push(first);
         if max_new_tokens == 0 {
             out.truncate(n);
         }
@@ -192,22 +277,47 @@ impl Target<'_> {
         while start + 1 < max_length && !stopped {
             let verify = block.min(max_length - start);
             let mut tokens = vec![out[start]];
+            let mut proposals = Vec::new();
             if verify > 1
                 && let Some(d) = draft.as_deref_mut()
             {
-                let drafted = d.propose(out[start], start, verify)?;
+                let drafted = match sampling.as_mut() {
+                    None => d.propose(out[start], start, verify)?,
+                    Some((s, rng)) => {
+                        let (drafted, drawn) =
+                            d.propose_sampled(out[start], start, verify, s, rng)?;
+                        proposals = drawn;
+                        drafted
+                    }
+                };
                 tokens.extend(drafted.into_iter().take(verify - 1));
             }
             tokens.resize(verify, mask);
-            let (posterior, features) =
+            // An undrafted position holds the mask token, proposed with certainty.
+            proposals.resize(verify - 1, Proposal::Point);
+            let (logits, features) =
                 self.step(&mut cache, &tokens, &indices, verify > 1, verify)?;
-            let accepted = tokens[1..]
-                .iter()
-                .zip(&posterior)
-                .take_while(|(a, b)| a == b)
-                .count();
+            let (accepted, next) = match sampling.as_mut() {
+                None => {
+                    let posterior = argmax_rows(&logits)?;
+                    let accepted = tokens[1..]
+                        .iter()
+                        .zip(&posterior)
+                        .take_while(|(a, b)| a == b)
+                        .count();
+                    (accepted, posterior[accepted])
+                }
+                Some((s, rng)) => {
+                    let rows = logits.to_vec2::<f32>().map_err(err)?;
+                    let target = rows
+                        .iter()
+                        .map(|r| probabilities(r, s))
+                        .collect::<Result<Vec<_>, _>>()?;
+                    crate::sampling::verify(&tokens[1..], &proposals, &target, rng)?
+                }
+            };
             let mut gained: Vec<u32> = tokens[1..=accepted].to_vec();
-            gained.push(posterior[accepted]);
+            gained.push(next);
             gained.truncate(max_length - start - 1);
             if let Some(i) = gained.iter().position(|t| stop.contains(t)) {
                 gained.truncate(i + 1);
@@ -423,17 +533,29 @@ pub fn run_eval(request: &Path) -> Result<(), String> {
         req.block_size,
     );
     let mut stdout = std::io::stdout().lock();
+    if let Some(s) = &req.sampling {
+        s.check()?;
+    }
     for (i, prompt) in req.prompts.iter().enumerate() {
-        let spec = target.generate(
-            Some(&mut draft),
-            prompt,
-            req.max_new_tokens,
-            &req.stop_token_ids,
-        )?;
-        let baseline = if req.baseline {
-            Some(target.generate(None, prompt, req.max_new_tokens, &req.stop_token_ids)?)
-        } else {
-            None
+        let (max_new, stop) = (req.max_new_tokens, &req.stop_token_ids);
+        let (spec, baseline) = match &req.sampling {
+            None => (
+                target.generate(Some(&mut draft), prompt, max_new, stop)?,
+                req.baseline
+                    .then(|| target.generate(None, prompt, max_new, stop))
+                    .transpose()?,
+            ),
+            Some(s) => {
+                // Prompt i's own streams: its output does not depend on the prompts before it.
+                let mut rng = SplitMix64(s.stream(i as u64));
+                let spec = target.sample(Some(&mut draft), prompt, max_new, stop, s, &mut rng)?;
+                let mut rng = SplitMix64(!s.stream(i as u64));
+                let baseline = req
+                    .baseline
+                    .then(|| target.sample(None, prompt, max_new, stop, s, &mut rng))
+                    .transpose()?;
+                (spec, baseline)
+            }
         };
         let result = PromptResult {
             prompt: i,

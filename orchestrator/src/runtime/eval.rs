@@ -175,6 +175,8 @@ impl Evaluator {
             baseline: false,
             init_seed: None,
             torch: self.torch.clone(),
+            // The in-training τ is greedy: comparable from step to step, free of draws.
+            sampling: None,
         };
         let source = checkpoints.join(format!("step-{step}"));
         let gpu = self.gpu;

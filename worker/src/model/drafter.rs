@@ -671,16 +671,31 @@ impl Drafter {
         b: usize,
         Heads { embedding, lm_head }: Heads,
     ) -> candle_core::Result<Vec<u32>> {
+        match self.draft_logits(context, token, position, b, Heads { embedding, lm_head })? {
+            None => Ok(Vec::new()),
+            Some(logits) => logits.argmax(D::Minus1)?.to_vec1::<u32>(),
+        }
+    }
+
+    /// The logits (f32, `[b - 1, vocab]`) of the block [`Drafter::draft`] fills; none when
+    /// `b < 2`.
+    pub fn draft_logits(
+        &self,
+        context: &[(Tensor, Tensor)],
+        token: u32,
+        position: usize,
+        b: usize,
+        Heads { embedding, lm_head }: Heads,
+    ) -> candle_core::Result<Option<Tensor>> {
         if b < 2 {
-            return Ok(Vec::new());
+            return Ok(None);
         }
         let x = self.block_states(context, &[token], &[position], b, embedding)?;
         x.reshape((b, self.config.shape.hidden))?
             .narrow(0, 1, b - 1)?
             .matmul(&lm_head.to_dtype(self.compute)?.t()?)?
-            .to_dtype(DType::F32)?
-            .argmax(D::Minus1)?
-            .to_vec1::<u32>()
+            .to_dtype(DType::F32)
+            .map(Some)
     }
 
     /// The gradients (aligned with [`Drafter::params`]) of `scale ×` one sequence's weighted

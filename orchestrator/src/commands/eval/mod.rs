@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use dflash_common::dflash::{Precision, Qwen3Config};
-use dflash_common::eval::{DraftConfig, EVAL_VERSION, EvalRequest, PromptResult};
+use dflash_common::eval::{DraftConfig, EVAL_VERSION, EvalRequest, PromptResult, Sampling};
 use serde::Serialize;
 
 use crate::error::CliError;
@@ -93,6 +93,27 @@ pub struct EvalArgs {
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     pub limit: Option<u32>,
 
+    /// Sample at this temperature instead of decoding greedily: 0 (greedy) to 100. Drafts are
+    /// verified by rejection sampling, so the output is distributed as the target's own sampling
+    /// (lossless in distribution, no longer equal token for token).
+    #[arg(long, value_name = "T", default_value_t = 0.0,
+          value_parser = crate::options::real(0.0, dflash_common::eval::MAX_TEMPERATURE, ""))]
+    pub temperature: f64,
+
+    /// With --temperature: sample from the smallest set of most likely tokens whose mass reaches
+    /// P, in (0, 1] [default: 1, all].
+    #[arg(long, value_name = "P", value_parser = crate::options::positive(1.0, ""))]
+    pub top_p: Option<f64>,
+
+    /// With --temperature: sample from the K most likely tokens only [default: 0, all].
+    #[arg(long, value_name = "K")]
+    pub top_k: Option<u32>,
+
+    /// With --temperature: the seed of the draws. Prompt i draws from a stream of (seed, i), so
+    /// a prompt's output does not depend on the others; the same seed gives the same outputs.
+    #[arg(long, value_name = "N")]
+    pub seed: Option<u64>,
+
     /// Evaluate the untrained drafter of the checkpoint's shape instead of its weights: the
     /// weights a run with `launch --seed N` starts from (a baseline for the trained one).
     #[arg(long, value_name = "N")]
@@ -132,8 +153,8 @@ pub struct PromptSummary {
     /// Mean tokens gained per verify step (0 when the prefill's token ended the output).
     pub tau: f64,
     pub steps: usize,
-    /// Equal to plain greedy decoding.
-    pub lossless: bool,
+    /// Equal to plain greedy decoding; none when sampling.
+    pub lossless: Option<bool>,
 }
 
 /// What `eval` reports.
@@ -148,6 +169,8 @@ pub struct EvalSummary {
     pub max_new_tokens: usize,
     pub device: String,
     pub dtype: Precision,
+    /// How the tokens were sampled; none: greedy decoding.
+    pub sampling: Option<Sampling>,
     /// Mean over prompts of each prompt's mean tokens per verify step.
     pub tau: f64,
     /// Mean over all verify steps of all prompts.
@@ -161,8 +184,9 @@ pub struct EvalSummary {
     pub speculative_seconds_per_token: f64,
     /// Baseline over speculative time per token.
     pub speedup: f64,
-    /// Every output equals plain greedy decoding.
-    pub lossless: bool,
+    /// Every output equals plain greedy decoding; none when sampling (rejection sampling keeps
+    /// the distribution, not the tokens).
+    pub lossless: Option<bool>,
     #[serde(rename = "per_prompt")]
     pub per_prompt: Vec<PromptSummary>,
 }
@@ -217,7 +241,10 @@ pub fn summarize(
             output_ids: r.output_ids.clone(),
             tau,
             steps,
-            lossless: r.baseline_ids.as_ref() == Some(&r.output_ids),
+            lossless: req
+                .sampling
+                .is_none()
+                .then(|| r.baseline_ids.as_ref() == Some(&r.output_ids)),
         });
     }
     let pooled = if steps_all == 0 {
@@ -238,6 +265,7 @@ pub fn summarize(
         max_new_tokens: req.max_new_tokens,
         device,
         dtype: req.dtype,
+        sampling: req.sampling,
         tau: mean(&taus),
         pooled_tau: pooled,
         histogram,
@@ -245,7 +273,10 @@ pub fn summarize(
         baseline_seconds_per_token: base,
         speculative_seconds_per_token: spec,
         speedup: if spec > 0.0 { base / spec } else { 0.0 },
-        lossless: per_prompt.iter().all(|p| p.lossless),
+        lossless: req
+            .sampling
+            .is_none()
+            .then(|| per_prompt.iter().all(|p| p.lossless == Some(true))),
         per_prompt,
     }
 }
@@ -673,6 +704,7 @@ pub fn prepare(args: &EvalArgs) -> Result<Prepared, CliError> {
         eos_tokens(&args.target_model).map_err(invalid)?
     };
     check_stop_tokens(&stop_token_ids, &target).map_err(invalid)?;
+    let sampling = sampling(args, &target)?;
     let dtype = args.dtype.resolve(args.gpu.is_some());
     let torch = args
         .decode
@@ -692,9 +724,48 @@ pub fn prepare(args: &EvalArgs) -> Result<Prepared, CliError> {
             baseline: true,
             init_seed: args.init_seed,
             torch,
+            sampling,
         },
         lines,
     })
+}
+
+/// The sampling `args` ask for: none at temperature 0, where --top-p, --top-k and --seed have
+/// nothing to act on and are refused; --top-k at most the target's vocabulary.
+fn sampling(args: &EvalArgs, target: &Qwen3Config) -> Result<Option<Sampling>, CliError> {
+    if args.temperature == 0.0 {
+        let given: Vec<&str> = [
+            (args.top_p.is_some(), "--top-p"),
+            (args.top_k.is_some(), "--top-k"),
+            (args.seed.is_some(), "--seed"),
+        ]
+        .into_iter()
+        .filter_map(|(set, name)| set.then_some(name))
+        .collect();
+        if !given.is_empty() {
+            return Err(invalid(format!(
+                "{} act only when sampling: give --temperature above 0 too (0, the default, is greedy decoding)",
+                given.join(", ")
+            )));
+        }
+        return Ok(None);
+    }
+    let top_k = args.top_k.unwrap_or(0);
+    if top_k as usize > target.vocab_size {
+        return Err(invalid(format!(
+            "--top-k {top_k} is larger than the target's vocabulary ({} tokens); 0 keeps every token",
+            target.vocab_size
+        )));
+    }
+    let s = Sampling {
+        temperature: args.temperature,
+        top_p: args.top_p.unwrap_or(1.0),
+        top_k,
+        seed: args.seed.unwrap_or(0),
+    };
+    s.check()
+        .map_err(|e| invalid(format!("--temperature/--top-p: {e}")))?;
+    Ok(Some(s))
 }
 
 /// Decodes the prepared prompts and summarises them.
@@ -749,6 +820,15 @@ pub fn render(s: &EvalSummary) -> String {
         s.device,
         s.dtype
     );
+    if let Some(x) = &s.sampling {
+        out.push_str(&format!(
+            "  sampling: temperature {}, top-p {}, top-k {}, seed {}; drafts verified by rejection sampling\n",
+            x.temperature,
+            x.top_p,
+            if x.top_k == 0 { "all".to_owned() } else { x.top_k.to_string() },
+            x.seed
+        ));
+    }
     out.push_str(&format!(
         "  τ (tokens per verify step, mean over prompts): {:.2}   pooled over all steps: {:.2}\n",
         s.tau, s.pooled_tau
@@ -778,10 +858,12 @@ pub fn render(s: &EvalSummary) -> String {
     let differ: Vec<String> = s
         .per_prompt
         .iter()
-        .filter(|p| !p.lossless)
+        .filter(|p| p.lossless == Some(false))
         .map(|p| p.line.to_string())
         .collect();
-    out.push_str(&if differ.is_empty() {
+    out.push_str(&if s.lossless.is_none() {
+        "  lossless: in distribution (rejection sampling); sampled outputs are not compared token for token\n".to_owned()
+    } else if differ.is_empty() {
         "  lossless: yes, every output equals plain greedy decoding\n".to_owned()
     } else {
         format!(

@@ -30,6 +30,7 @@ fn request(prompts: Vec<Vec<u32>>, block_size: usize) -> EvalRequest {
         baseline: true,
         init_seed: None,
         torch: None,
+        sampling: None,
     }
 }
 
@@ -49,7 +50,7 @@ fn tau_is_the_mean_of_the_per_prompt_means() {
     assert_eq!(s.histogram, vec![7.0 / 9.0, 0.0, 0.0, 2.0 / 9.0]);
     assert!((s.speedup - 3.0).abs() < 1e-12);
     assert!((s.baseline_seconds_per_token / s.speculative_seconds_per_token - 3.0).abs() < 1e-12);
-    assert!(s.lossless);
+    assert_eq!(s.lossless, Some(true));
     assert_eq!(s.tokens, 10 + 7);
     let per = &s.per_prompt;
     assert_eq!(per[0].line, 3);
@@ -61,8 +62,29 @@ fn tau_is_the_mean_of_the_per_prompt_means() {
     let two = request(vec![vec![1], vec![1]], 4);
     let results = vec![result(0, vec![2], true), result(1, vec![3], false)];
     let s = summarize(&results, &[1, 2], &two, "cpu".into());
-    assert!(!s.lossless);
-    assert!(s.per_prompt[0].lossless && !s.per_prompt[1].lossless);
+    assert_eq!(s.lossless, Some(false));
+    assert_eq!(
+        (s.per_prompt[0].lossless, s.per_prompt[1].lossless),
+        (Some(true), Some(false))
+    );
+    // Sampled outputs are not compared with the target's: lossless is not claimed either way.
+    let sampled = EvalRequest {
+        sampling: Some(dflash_common::eval::Sampling {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed: 0,
+        }),
+        ..two.clone()
+    };
+    let s = summarize(&results, &[1, 2], &sampled, "cpu".into());
+    assert_eq!(s.lossless, None);
+    assert!(s.per_prompt.iter().all(|p| p.lossless.is_none()));
+    assert!(
+        render(&s).contains("lossless: in distribution"),
+        "{}",
+        render(&s)
+    );
     // A prompt whose first token stopped it has no steps and no τ of its own.
     let results = vec![result(0, vec![], true), result(1, vec![3, 1], true)];
     let s = summarize(&results, &[1, 2], &two, "cpu".into());
