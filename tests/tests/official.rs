@@ -4,6 +4,13 @@
 //! unexpected tensor, every weight from the file) and decodes the same prompts with our target:
 //! its outputs, its acceptance at every verify step and its τ equal ours, and both equal plain
 //! greedy decoding. The official venv comes from `scripts/setup-test-env`.
+//!
+//! Then sampling (`eval --temperature`): on both engines, one prompt decoded 2,000 times gives
+//! first three tokens distributed as the target's own sampling (a chi-square test against the
+//! exact distribution, `python/tests/check_sampling.py`, at significance 0.001, with the power to
+//! reject the distribution of another temperature); and the torch engine's sampled decode equals
+//! the official package's `dflash_generate` (its `_rejection_sample`) token for token when both
+//! draw from the same seed.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -105,5 +112,138 @@ fn the_official_package_loads_our_checkpoint_and_decodes_as_eval_does() {
         assert_eq!(o["output_ids"], t["baseline_ids"], "prompt {i}: not greedy");
         let steps = t["acceptance_lengths"].as_array().unwrap().len();
         assert_eq!(o["steps"].as_u64().unwrap() as usize, steps, "prompt {i}");
+    }
+
+    // Sampling. The torch engine draws in the official package's order: with the same seed its
+    // sampled decode is the official one, token for token, and so is τ.
+    let python = official_python();
+    let torch = ["--engine", "torch", "--python", python.to_str().unwrap()];
+    let sample = ["--temperature", "1", "--top-p", "0.95", "--seed", "7"];
+    let ours: Value = serde_json::from_str(&stdout_ok(&orch(
+        &[
+            &[
+                "eval",
+                "--target-model",
+                target.to_str().unwrap(),
+                "--drafter",
+                checkpoint,
+                "--prompts",
+                prompts.to_str().unwrap(),
+                "--max-new-tokens",
+                "64",
+                "--json",
+            ][..],
+            &torch,
+            &sample,
+        ]
+        .concat(),
+    )))
+    .unwrap();
+    assert_eq!(ours["lossless"], Value::Null, "{ours}");
+    assert_eq!(ours["sampling"]["temperature"], 1.0);
+    let official = Command::new(&python)
+        .arg(script("official_dflash.py"))
+        .args(["--target-model", target.to_str().unwrap()])
+        .args(["--drafter", checkpoint])
+        .args(["--prompts", prompts.to_str().unwrap()])
+        .args(["--max-new-tokens", "64", "--stop-token-ids", "2"])
+        .args(sample)
+        .output()
+        .unwrap();
+    assert!(
+        official.status.success(),
+        "{}",
+        String::from_utf8_lossy(&official.stderr)
+    );
+    let theirs: Value = serde_json::from_slice(&official.stdout).unwrap();
+    for (i, (o, t)) in ours["per_prompt"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(theirs["prompts"].as_array().unwrap())
+        .enumerate()
+    {
+        assert_eq!(
+            o["output_ids"], t["output_ids"],
+            "prompt {i}: sampled outputs differ"
+        );
+    }
+    let (tau, their_tau) = (
+        ours["tau"].as_f64().unwrap(),
+        theirs["tau"].as_f64().unwrap(),
+    );
+    assert!(
+        (tau - their_tau).abs() <= 0.02 * their_tau,
+        "τ {tau}, official {their_tau}"
+    );
+    // Some drafted token was kept somewhere (τ counts the gained token of every step).
+    assert!(tau > 1.0, "sampled τ {tau}");
+
+    // Lossless in distribution: the first prompt 2,000 times, three new tokens each.
+    let repeated = dir.path().join("repeated.jsonl");
+    let first = serde_json::json!({"input_ids": per[0]["prompt_ids"]}).to_string();
+    std::fs::write(&repeated, format!("{first}\n").repeat(2000)).unwrap();
+    let engines: [&[&str]; 3] = [
+        &["--temperature", "1", "--seed", "11"],
+        &[
+            "--temperature",
+            "0.8",
+            "--top-k",
+            "20",
+            "--top-p",
+            "0.9",
+            "--seed",
+            "12",
+        ],
+        &[&torch[..], &["--temperature", "1", "--seed", "13"]].concat(),
+    ];
+    for extra in engines {
+        let draws = dir.path().join("draws.json");
+        let out = orch(
+            &[
+                &[
+                    "eval",
+                    "--target-model",
+                    target.to_str().unwrap(),
+                    "--drafter",
+                    checkpoint,
+                    "--prompts",
+                    repeated.to_str().unwrap(),
+                    "--max-new-tokens",
+                    "3",
+                    "--ignore-eos",
+                    "--json",
+                ][..],
+                extra,
+            ]
+            .concat(),
+        );
+        std::fs::write(&draws, stdout_ok(&out)).unwrap();
+        let value = |flag: &str, default: &str| {
+            extra
+                .iter()
+                .position(|a| *a == flag)
+                .map_or(default.to_owned(), |i| extra[i + 1].to_owned())
+        };
+        let check = Command::new(&python)
+            .arg(workspace_root().join("python/tests/check_sampling.py"))
+            .args(["--target-model", target.to_str().unwrap()])
+            .args(["--eval", draws.to_str().unwrap()])
+            .args(["--temperature", &value("--temperature", "1")])
+            .args(["--top-p", &value("--top-p", "1")])
+            .args(["--top-k", &value("--top-k", "0")])
+            .args(["--alpha", "0.001"])
+            .output()
+            .unwrap();
+        let verdict: Value = serde_json::from_slice(&check.stdout).unwrap_or_else(|e| {
+            panic!(
+                "check_sampling.py: {e}\n{}",
+                String::from_utf8_lossy(&check.stderr)
+            )
+        });
+        assert!(check.status.success(), "{extra:?}: {verdict}");
+        // Both ways through the first step are taken often: drafts kept and drafts rejected.
+        let kept = verdict["accepted_share"].as_f64().unwrap();
+        assert!((0.1..=0.9).contains(&kept), "{extra:?}: {verdict}");
     }
 }
