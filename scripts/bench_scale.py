@@ -123,6 +123,7 @@ def parse_args(argv):
     ap.add_argument("--dtype", type=dtype_name("--dtype"))
     ap.add_argument("--feature-dtype", type=dtype_name("--feature-dtype"))
     ap.add_argument("--engine", choices=["candle", "torch"], default="candle")
+    ap.add_argument("--drafter-arch", choices=["dflash", "dflash2"])
     ap.add_argument("--python")
     ap.add_argument("--launch-timeout", type=positive_float("--launch-timeout", 1.0, 86400.0), default=480.0)
     ap.add_argument("--time-limit", type=positive_float("--time-limit", 1.0, 7 * 86400.0), default=1140.0)
@@ -148,6 +149,8 @@ def parse_args(argv):
         raise Usage("--json needs a path")
     if args.python is not None and args.engine != "torch":
         raise Usage("--python is for --engine torch")
+    if args.drafter_arch == "dflash2" and args.engine != "torch":
+        raise Usage("--drafter-arch dflash2 trains on --engine torch only")
     return args
 
 
@@ -525,7 +528,8 @@ def main(argv):
               f"sequence; sequences of {args.max_len} tokens; {args.batches} batch(es) per budget; "
               f"--gpus {args.gpus} --topology 1:1 --engine {args.engine}"
               + "".join(f"; --{k.replace('_', '-')} {getattr(args, k)}"
-                        for k in ("anchor_chunk", "dtype", "feature_dtype") if getattr(args, k) is not None))
+                        for k in ("anchor_chunk", "dtype", "feature_dtype", "drafter_arch")
+                        if getattr(args, k) is not None))
         print(f"limits: {args.launch_timeout:.0f} s per launch, {args.time_limit:.0f} s in all; memory cap "
               + (f"{cap / GB:.1f} GB per process ({'address space, prlimit --as, and ' if prlimit else ''}"
                  f"RSS watched every 0.25 s)" if cap else "none"), flush=True)
@@ -557,7 +561,7 @@ def main(argv):
                    "--draft-layers", str(args.draft_layers), "--epochs", "1", "--monitor-interval", "0.2",
                    "--max-restarts", "0", "--job-timeout", str(int(deadline) + 60), "--stop-grace", "10",
                    "--seed", str(args.seed)]
-            for k in ("anchor_chunk", "dtype", "feature_dtype"):
+            for k in ("anchor_chunk", "dtype", "feature_dtype", "drafter_arch"):
                 if getattr(args, k) is not None:
                     cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
             cmd += ["--engine", args.engine] + (["--python", args.python] if args.python else [])

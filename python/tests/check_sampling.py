@@ -11,10 +11,11 @@ what speculative steps give: accepted drafts, residual draws, the token after ac
 The reference is exact: the target (loaded with `transformers`, f32) gives the probability of
 every first token, of every second token after each first, and of every third after each likely
 pair, each row made a distribution by the official package's `dflash.model._sampling_probs`
-(temperature, top-k, top-p). The cells are the triples whose expected count is at least 5, and
-one cell for all other triples (merged into the smallest cell when its own expected count is
-below 5): they come from the reference alone, never from the draws. Pearson's chi-square
-statistic over them gives a p-value (survival function of the chi-square distribution).
+(temperature, top-k, top-p). The cells come from the reference alone, never from the draws: the
+triples expected at least 5 times, then what is left of each pair, of each first token and of
+everything, each a cell of its own where it is expected at least 5 times (see `reference`).
+Pearson's chi-square statistic over them gives a p-value (survival function of the chi-square
+distribution).
 
 Prints one JSON object: n, cells, chi2, dof, p_value (the draws against the right distribution),
 wrong_p_value (the same draws against the distribution at 1.5 times the temperature: a test that
@@ -52,8 +53,11 @@ def next_probs(model, rows: list[list[int]], temperature: float, top_p: float, t
 
 
 def reference(model, prompt: list[int], n: int, temperature: float, top_p: float, top_k: int):
-    """The exact probability of each cell: {(t1, t2, t3): p} for the likely triples, and the
-    mass left for the rest."""
+    """The cells and their exact probabilities, from the reference alone: a triple
+    (t1, t2, t3) whose expected count is at least 5 is a cell; what is left of a pair's mass
+    (its other triples) is a cell ("pair", t1, t2) when that is expected 5 times, else it joins
+    what is left of its first token, a cell ("first", t1) on the same rule, else the one cell
+    "rest". Returns ({cell: p}, the function mapping a drawn triple to its cell)."""
     p1 = next_probs(model, [prompt], temperature, top_p, top_k)[0]
     firsts = [t for t in range(p1.shape[0]) if p1[t] > 0]
     p2 = next_probs(model, [prompt + [t] for t in firsts], temperature, top_p, top_k)
@@ -71,22 +75,43 @@ def reference(model, prompt: list[int], n: int, temperature: float, top_p: float
                 p = pairs[pair] * float(p3[row, t3])
                 if p * n >= MIN_EXPECTED:
                     cells[pair + (t3,)] = p
-    return cells, max(0.0, 1.0 - sum(cells.values()))
+    under_pair, under_first = {}, {}
+    for cell, p in cells.items():
+        under_pair[cell[:2]] = under_pair.get(cell[:2], 0.0) + p
+    left_of_first = {t1: float(p1[t1]) for t1 in firsts}
+    for pair, p in pairs.items():
+        left = max(0.0, p - under_pair.get(pair, 0.0))
+        if left * n >= MIN_EXPECTED:
+            cells[("pair",) + pair] = left
+            left_of_first[pair[0]] -= p
+        else:
+            left_of_first[pair[0]] -= p - left
+    for t1, left in left_of_first.items():
+        left = max(0.0, left)
+        if left * n >= MIN_EXPECTED:
+            cells[("first", t1)] = left
+    cells["rest"] = max(0.0, 1.0 - sum(cells.values()))
+
+    def cell_of(triple):
+        for cell in (triple, ("pair",) + triple[:2], ("first", triple[0])):
+            if cell in cells:
+                return cell
+        return "rest"
+
+    return cells, cell_of
 
 
-def chi_square(counts: Counter, n: int, cells: dict, rest: float):
-    """Pearson's statistic, degrees of freedom and p-value of `counts` against the cells."""
-    expected = dict(cells)
-    observed = {c: counts.get(c, 0) for c in cells}
-    other = n - sum(observed.values())
-    merged = None
-    if rest * n >= MIN_EXPECTED:
-        expected["rest"], observed["rest"] = rest, other
-    elif expected:
-        merged = min(expected, key=expected.get)
-        expected[merged] += rest
-        observed[merged] += other
-    chi2 = sum((observed[c] - n * p) ** 2 / (n * p) for c, p in expected.items())
+def chi_square(draws: list, n: int, cells: dict, cell_of):
+    """Pearson's statistic, degrees of freedom and p-value of the draws against the cells (the
+    rest cell merged into the smallest other when it is expected fewer than 5 times)."""
+    counts = Counter(cell_of(t) for t in draws)
+    expected, observed = dict(cells), {c: counts.get(c, 0) for c in cells}
+    if expected["rest"] * n < MIN_EXPECTED and len(expected) > 1:
+        rest_p, rest_o = expected.pop("rest"), observed.pop("rest")
+        smallest = min(expected, key=expected.get)
+        expected[smallest] += rest_p
+        observed[smallest] += rest_o
+    chi2 = sum((observed[c] - n * p) ** 2 / (n * p) for c, p in expected.items() if p > 0)
     dof = len(expected) - 1
     if dof < 1:
         fail(f"only {len(expected)} cell(s): the distribution is too concentrated to test")
@@ -117,14 +142,14 @@ def main() -> None:
         fail(f"{args.eval}: prompt lines {short[:5]} have fewer than 3 new tokens "
              "(run eval with --max-new-tokens 3 --ignore-eos)")
     n = len(rows)
-    counts = Counter(tuple(r["output_ids"][:3]) for r in rows)
+    draws = [tuple(r["output_ids"][:3]) for r in rows]
     prompt = list(prompts.pop())
 
     model = AutoModelForCausalLM.from_pretrained(args.target_model, dtype=torch.float32).eval()
-    cells, rest = reference(model, prompt, n, args.temperature, args.top_p, args.top_k)
-    chi2, dof, p_value, used = chi_square(counts, n, cells, rest)
-    wrong, wrong_rest = reference(model, prompt, n, 1.5 * args.temperature, args.top_p, args.top_k)
-    _, _, wrong_p, _ = chi_square(counts, n, wrong, wrong_rest)
+    cells, cell_of = reference(model, prompt, n, args.temperature, args.top_p, args.top_k)
+    chi2, dof, p_value, used = chi_square(draws, n, cells, cell_of)
+    wrong, wrong_of = reference(model, prompt, n, 1.5 * args.temperature, args.top_p, args.top_k)
+    _, _, wrong_p, _ = chi_square(draws, n, wrong, wrong_of)
     # The first speculative step kept its first drafted token exactly when it gave two tokens
     # (the third then ends the output): one verify step in all.
     accepted = sum(1 for r in rows if r["steps"] == 1) / n

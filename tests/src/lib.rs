@@ -443,3 +443,63 @@ impl Drop for LinkAttacker {
         let _ = self.child.wait();
     }
 }
+
+/// `eval` with `extra` sampling options (`--temperature`, `--top-p`, `--top-k`, `--seed`, an
+/// engine) of `prompt_ids` repeated 2,000 times, three new tokens each, then
+/// `python/tests/check_sampling.py`: the draws must pass the chi-square test against the target's
+/// exact sampling distribution at significance 0.001 and reject the distribution of another
+/// temperature; and the first speculative step must both keep (10 % or more) and reject (10 %
+/// or more) its first drafted token. Returns the check's verdict.
+pub fn assert_sampled_like_the_target(
+    dir: &Path,
+    target: &Path,
+    drafter: &str,
+    prompt_ids: &Value,
+    extra: &[&str],
+) -> Value {
+    let repeated = dir.join("repeated.jsonl");
+    let line = serde_json::json!({ "input_ids": prompt_ids }).to_string();
+    fs::write(&repeated, format!("{line}\n").repeat(2000)).unwrap();
+    let mut args = vec![
+        "eval",
+        "--target-model",
+        target.to_str().unwrap(),
+        "--drafter",
+        drafter,
+        "--prompts",
+        repeated.to_str().unwrap(),
+        "--max-new-tokens",
+        "3",
+        "--ignore-eos",
+        "--json",
+    ];
+    args.extend_from_slice(extra);
+    let draws = dir.join("draws.json");
+    fs::write(&draws, stdout_ok(&orch(&args))).unwrap();
+    let value = |flag: &str, default: &'static str| {
+        extra
+            .iter()
+            .position(|a| *a == flag)
+            .map_or(default, |i| extra[i + 1])
+    };
+    let check = Command::new(test_python())
+        .arg(workspace_root().join("python/tests/check_sampling.py"))
+        .args(["--target-model", target.to_str().unwrap()])
+        .args(["--eval", draws.to_str().unwrap()])
+        .args(["--temperature", value("--temperature", "1")])
+        .args(["--top-p", value("--top-p", "1")])
+        .args(["--top-k", value("--top-k", "0")])
+        .args(["--alpha", "0.001"])
+        .output()
+        .unwrap();
+    let verdict: Value = serde_json::from_slice(&check.stdout).unwrap_or_else(|e| {
+        panic!(
+            "check_sampling.py: {e}\n{}",
+            String::from_utf8_lossy(&check.stderr)
+        )
+    });
+    assert!(check.status.success(), "{extra:?}: {verdict}");
+    let kept = verdict["accepted_share"].as_f64().unwrap();
+    assert!((0.1..=0.9).contains(&kept), "{extra:?}: {verdict}");
+    verdict
+}

@@ -231,6 +231,88 @@ fn prompts_the_target_cannot_take_are_refused() {
     );
 }
 
+/// Sampling values no decoder can use are refused before a worker starts, naming the option.
+#[test]
+fn sampling_values_out_of_range_are_refused() {
+    let s = setup();
+    let cases: [(&[&str], &str); 9] = [
+        (
+            &["--temperature=-1"],
+            "-1 is out of range: must be 0 to 100",
+        ),
+        (
+            &["--temperature", "101"],
+            "101 is out of range: must be 0 to 100",
+        ),
+        (
+            &["--temperature", "nan"],
+            "'--temperature <T>': nan is out of range",
+        ),
+        (
+            &["--temperature", "inf"],
+            "'--temperature <T>': inf is out of range",
+        ),
+        (
+            &["--temperature", "1", "--top-p", "0"],
+            "'--top-p <P>': must be above 0",
+        ),
+        (
+            &["--temperature", "1", "--top-p", "1.5"],
+            "1.5 is out of range: must be 0 to 1",
+        ),
+        (
+            &["--temperature", "1", "--top-k", "601"],
+            "--top-k 601 is larger than the target's vocabulary (600 tokens)",
+        ),
+        (
+            &["--top-p", "0.9"],
+            "--top-p acts only when sampling: give --temperature above 0",
+        ),
+        (
+            &["--top-k", "5", "--seed", "1"],
+            "--top-k, --seed act only when sampling",
+        ),
+    ];
+    for (extra, want) in cases {
+        assert_refused(&eval(&s, &s.drafter, extra), 2, want);
+    }
+}
+
+/// Sampled eval replays from its seed, each prompt from a stream of its own (its output does not
+/// depend on the prompts before it), and reports τ with no token-for-token claim.
+#[test]
+fn sampled_eval_replays_from_its_seed() {
+    let s = setup();
+    let sampled = |extra: &[&str]| -> Value {
+        let mut args = vec!["--max-new-tokens", "12", "--ignore-eos", "--json"];
+        args.extend_from_slice(extra);
+        serde_json::from_str(&stdout_ok(&orch(&eval_args(&s, &s.drafter, &args)))).unwrap()
+    };
+    let outputs = |v: &Value| -> Vec<Value> {
+        v["per_prompt"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p["output_ids"].clone())
+            .collect()
+    };
+    let a = sampled(&["--temperature", "1", "--seed", "4"]);
+    let b = sampled(&["--temperature", "1", "--seed", "4"]);
+    assert_eq!(outputs(&a), outputs(&b));
+    assert_eq!(a["lossless"], Value::Null, "{a}");
+    assert_eq!(a["sampling"]["seed"], 4);
+    assert!(a["tau"].as_f64().unwrap() >= 1.0);
+    // The first prompt alone (--limit 1) draws what it drew beside the others.
+    let first = sampled(&["--temperature", "1", "--seed", "4", "--limit", "1"]);
+    assert_eq!(outputs(&first)[0], outputs(&a)[0]);
+    // Another seed draws other tokens; greedy decoding is one output, lossless.
+    let c = sampled(&["--temperature", "1", "--seed", "5"]);
+    assert_ne!(outputs(&a), outputs(&c));
+    let greedy = sampled(&[]);
+    assert_eq!(greedy["lossless"], true);
+    assert_eq!(greedy["sampling"], Value::Null);
+}
+
 /// A copy of the checkpoint whose model.safetensors has its header (the JSON table) and data
 /// edited by `edit`, as a damaged or tampered file would be.
 fn tampered(s: &Setup, name: &str, edit: impl FnOnce(&mut Value, &mut [u8])) -> PathBuf {

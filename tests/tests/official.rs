@@ -15,7 +15,7 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-use dflash_e2e::{orch, script, stdout_ok, workspace_root};
+use dflash_e2e::{assert_sampled_like_the_target, orch, script, stdout_ok, workspace_root};
 use serde_json::Value;
 
 fn official_python() -> PathBuf {
@@ -180,10 +180,7 @@ fn the_official_package_loads_our_checkpoint_and_decodes_as_eval_does() {
     assert!(tau > 1.0, "sampled τ {tau}");
 
     // Lossless in distribution: the first prompt 2,000 times, three new tokens each.
-    let repeated = dir.path().join("repeated.jsonl");
-    let first = serde_json::json!({"input_ids": per[0]["prompt_ids"]}).to_string();
-    std::fs::write(&repeated, format!("{first}\n").repeat(2000)).unwrap();
-    let engines: [&[&str]; 3] = [
+    let samplings: [&[&str]; 3] = [
         &["--temperature", "1", "--seed", "11"],
         &[
             "--temperature",
@@ -197,53 +194,14 @@ fn the_official_package_loads_our_checkpoint_and_decodes_as_eval_does() {
         ],
         &[&torch[..], &["--temperature", "1", "--seed", "13"]].concat(),
     ];
-    for extra in engines {
-        let draws = dir.path().join("draws.json");
-        let out = orch(
-            &[
-                &[
-                    "eval",
-                    "--target-model",
-                    target.to_str().unwrap(),
-                    "--drafter",
-                    checkpoint,
-                    "--prompts",
-                    repeated.to_str().unwrap(),
-                    "--max-new-tokens",
-                    "3",
-                    "--ignore-eos",
-                    "--json",
-                ][..],
-                extra,
-            ]
-            .concat(),
+    for extra in samplings {
+        let verdict = assert_sampled_like_the_target(
+            dir.path(),
+            &target,
+            checkpoint,
+            &per[0]["prompt_ids"],
+            extra,
         );
-        std::fs::write(&draws, stdout_ok(&out)).unwrap();
-        let value = |flag: &str, default: &str| {
-            extra
-                .iter()
-                .position(|a| *a == flag)
-                .map_or(default.to_owned(), |i| extra[i + 1].to_owned())
-        };
-        let check = Command::new(&python)
-            .arg(workspace_root().join("python/tests/check_sampling.py"))
-            .args(["--target-model", target.to_str().unwrap()])
-            .args(["--eval", draws.to_str().unwrap()])
-            .args(["--temperature", &value("--temperature", "1")])
-            .args(["--top-p", &value("--top-p", "1")])
-            .args(["--top-k", &value("--top-k", "0")])
-            .args(["--alpha", "0.001"])
-            .output()
-            .unwrap();
-        let verdict: Value = serde_json::from_slice(&check.stdout).unwrap_or_else(|e| {
-            panic!(
-                "check_sampling.py: {e}\n{}",
-                String::from_utf8_lossy(&check.stderr)
-            )
-        });
-        assert!(check.status.success(), "{extra:?}: {verdict}");
-        // Both ways through the first step are taken often: drafts kept and drafts rejected.
-        let kept = verdict["accepted_share"].as_f64().unwrap();
-        assert!((0.1..=0.9).contains(&kept), "{extra:?}: {verdict}");
+        eprintln!("{extra:?}: {verdict}");
     }
 }

@@ -12,7 +12,7 @@
 use crate::format::gib;
 use serde::Serialize;
 
-use dflash_common::dflash::{DflashSettings, Engine, Engines, Qwen3Config};
+use dflash_common::dflash::{DflashSettings, DrafterArch, Engine, Engines, Qwen3Config};
 
 /// The bytes of one chunk's activations that `--anchor-chunk auto` aims at, on a GPU.
 pub const GPU_CHUNK_BYTES: u64 = 12 << 30;
@@ -74,6 +74,35 @@ const TORCH_LOGIT_COPIES: f64 = 4.0;
 /// Block positions whose full-vocabulary logits exist at once in the torch drafter's loss
 /// (`drafter.py`'s `DEFAULT_LOSS_ROWS`).
 pub const TORCH_LOSS_ROWS: f64 = 4096.0;
+
+/// `[tokens, hidden]`-sized tensors a DFlash2 drafter layer keeps per block token for backward
+/// besides a DFlash layer's: per convolution (two per layer) the input shifted by each tap and
+/// weighted, and the sum.
+const DFLASH2_CONV_HIDDEN_COPIES: f64 = 8.0;
+/// Copies of a DFlash2 convolution's dynamic kernels (`[tokens, 2 × taps × groups]`: the
+/// projection's output and its split halves) kept per block token, per convolution.
+const DFLASH2_KERNEL_COPIES: f64 = 3.0;
+/// f32 copies of the selector's `[rows, top_k, rank]` gathered successor codes alive at once in
+/// the loss (the gather, the product with the predecessor's code, its gradient).
+const DFLASH2_SELECTOR_COPIES: f64 = 3.0;
+
+/// A DFlash2 drafter's elements besides a DFlash one's: (the convolutions', cast to the compute
+/// dtype with the layers; the selector's, used in f32: its two `[vocab, rank]` codebooks and
+/// the hidden projection). Zero for DFlash.
+fn dflash2_params(target: &Qwen3Config, s: &DflashSettings) -> (f64, f64) {
+    if s.drafter_arch != DrafterArch::Dflash2 {
+        return (0.0, 0.0);
+    }
+    let d = &s.dflash2;
+    let (h, taps) = (target.hidden_size as f64, d.conv_kernel_size as f64);
+    let groups = h / d.conv_group_size.max(1) as f64;
+    // Per convolution a base kernel [2, taps, hidden] and a kernel projection
+    // [2 · taps · groups, hidden]; two per layer.
+    let conv = s.draft_layers as f64 * 2.0 * (2.0 * taps * h + 2.0 * taps * groups * h);
+    let rank = d.selector_rank as f64;
+    let selector = 2.0 * target.vocab_size as f64 * rank + rank * h;
+    (conv, selector)
+}
 
 /// One worker's memory at its peak, by what holds it, in bytes.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
@@ -370,7 +399,8 @@ pub fn torch_drafter_worker(
     let width = s.feature_width(target) as f64;
     let layers = s.draft_layers as f64;
     let kv = sh.kv_heads * sh.head_dim;
-    let params = sh.hidden * n * sh.hidden + sh.hidden * 2.0 + layers * sh.layer_params();
+    let (conv, selector) = dflash2_params(target, s);
+    let params = sh.hidden * n * sh.hidden + sh.hidden * 2.0 + layers * sh.layer_params() + conv;
     let heads_matrices = if target.tie_word_embeddings { 1.0 } else { 2.0 };
     // The compute-dtype copies of the weights a chunk's graph keeps.
     let compute_copy = if s.dtype.bytes() == 4 {
@@ -388,13 +418,15 @@ pub fn torch_drafter_worker(
     WorkerPlan {
         role: "drafter",
         engine: Engine::Torch.name(),
-        weights: bytes(params * 4.0 + compute_copy + heads_matrices * sh.vocab * sh.hidden * e),
+        weights: bytes(
+            (params + selector) * 4.0 + compute_copy + heads_matrices * sh.vocab * sh.hidden * e,
+        ),
         activations: bytes(context + blocks),
         attention: bytes(attention),
         // The micro-batch's features on the device (on a CPU, a view of the mapped ring).
         features: bytes(budget * width * fe),
         // Gradients and AdamW's two moments.
-        optimiser: bytes(3.0 * params * 4.0),
+        optimiser: bytes(3.0 * (params + selector) * 4.0),
         total: 0,
     }
     .sum()
@@ -417,10 +449,26 @@ fn torch_chunk_bytes(
     let keys = context + tokens;
     let kv = sh.kv_heads * sh.head_dim;
     let attention = tokens * keys * (1.0 + e) + layers * 2.0 * keys * kv * e;
-    let blocks = layers
+    let rows = tokens.min(TORCH_LOSS_ROWS);
+    let mut blocks = layers
         * tokens
         * (TORCH_DRAFTER_HIDDEN_COPIES * sh.hidden * e + TORCH_DRAFTER_MLP_COPIES * sh.inter * e)
-        + TORCH_LOGIT_COPIES * tokens.min(TORCH_LOSS_ROWS) * sh.vocab * 4.0;
+        + TORCH_LOGIT_COPIES * rows * sh.vocab * 4.0;
+    if s.drafter_arch == DrafterArch::Dflash2 {
+        let d = &s.dflash2;
+        let kernels = 2.0 * d.conv_kernel_size as f64 * sh.hidden / d.conv_group_size.max(1) as f64;
+        // Two convolutions per layer, and the selector over one piece of the loss's rows.
+        blocks += layers
+            * tokens
+            * 2.0
+            * (DFLASH2_CONV_HIDDEN_COPIES * sh.hidden + DFLASH2_KERNEL_COPIES * kernels)
+            * e
+            + DFLASH2_SELECTOR_COPIES
+                * rows
+                * d.selector_top_k as f64
+                * d.selector_rank as f64
+                * 4.0;
+    }
     (attention, blocks)
 }
 
@@ -439,8 +487,12 @@ pub fn eval_worker(
     let e = s.dtype.bytes() as f64;
     let layers = target.num_hidden_layers as f64;
     let n = s.target_layer_ids.len() as f64;
-    let draft_params =
-        sh.hidden * n * sh.hidden + sh.hidden * 2.0 + s.draft_layers as f64 * sh.layer_params();
+    let (conv, selector) = dflash2_params(target, s);
+    let draft_params = sh.hidden * n * sh.hidden
+        + sh.hidden * 2.0
+        + s.draft_layers as f64 * sh.layer_params()
+        + conv
+        + selector;
     let (target_params, prefill) = match engine {
         Engine::Candle => (
             layers * sh.layer_params() + sh.vocab * sh.hidden + sh.hidden,
@@ -750,6 +802,53 @@ pub(crate) mod tests {
         // Unchunked, the drafter would not fit.
         s.anchor_chunk = None;
         assert!(drafter_worker(&t, &s, 49_152, 8_192).total > 141 << 30);
+    }
+
+    /// A DFlash2 drafter at Qwen3-8B's shape and the published sizes (kernel 2, group 16, top-K
+    /// 16, rank 256): its codebooks (2 × 151,936 × 256) and hidden projection (256 × 4,096), and
+    /// per layer two convolutions of a base kernel (2 × 2 × 4,096) and a kernel projection
+    /// (2 × 2 × 256 × 4,096), as f32 masters, gradients and moments, the convolutions also in
+    /// bf16; its chunk holds the convolutions' activations and the selector's gathered codes, so
+    /// `auto` picks a chunk no larger; and it still fits an H200.
+    #[test]
+    fn a_dflash2_drafter_plans_its_convolutions_and_selector() {
+        let t = qwen3_8b();
+        let mut s = settings(49_152);
+        s.engines = Engines::both(Engine::Torch);
+        let mut two = s.clone();
+        two.drafter_arch = DrafterArch::Dflash2;
+        let selector = 2.0 * 151_936.0 * 256.0 + 256.0 * 4_096.0;
+        let conv = s.draft_layers as f64 * 2.0 * (2.0 * 2.0 * 4_096.0 + 4.0 * 256.0 * 4_096.0);
+        let (d1, d2) = (
+            torch_drafter_worker(&t, &s, 49_152, 8_192),
+            torch_drafter_worker(&t, &two, 49_152, 8_192),
+        );
+        assert_eq!(d2.weights - d1.weights, ((conv + selector) * 4.0 + conv * 2.0) as u64);
+        assert_eq!(d2.optimiser - d1.optimiser, (12.0 * (conv + selector)) as u64);
+        let chunk = 64.0;
+        let ((a1, b1), (a2, b2)) = (
+            torch_chunk_bytes(&t, &s, chunk, 8_192.0),
+            torch_chunk_bytes(&t, &two, chunk, 8_192.0),
+        );
+        assert_eq!(a1, a2, "the attention is a DFlash layer's");
+        let tokens = chunk * 16.0;
+        let want = s.draft_layers as f64 * tokens * 2.0 * (8.0 * 4_096.0 + 3.0 * 4.0 * 256.0) * 2.0
+            + 3.0 * tokens * 16.0 * 256.0 * 4.0;
+        assert!((b2 - b1 - want).abs() < 1.0, "{} vs {want}", b2 - b1);
+        let (c1, c2) = (
+            auto_anchor_chunk(&t, &s, 8_192, true).unwrap(),
+            auto_anchor_chunk(&t, &two, 8_192, true).unwrap(),
+        );
+        assert!(c2 <= c1, "{c2} > {c1}");
+        two.anchor_chunk = Some(c2);
+        let p = plan(&t, &two, two.engines, None, 49_152, 8_192, 0, 0, 0);
+        assert!(p.drafter.total + TORCH_CUDA_CONTEXT < 141 << 30, "{}", gib(p.drafter.total));
+        // The eval process holds the selector and convolutions too.
+        let (e1, e2) = (
+            eval_worker(&t, &s, 4_096, Engine::Torch, None),
+            eval_worker(&t, &two, 4_096, Engine::Torch, None),
+        );
+        assert_eq!(e2.weights - e1.weights, ((conv + selector) * 4.0) as u64);
     }
 
     /// The torch workers' plans: linear in a batch's tokens; at the seeds' settings on Qwen3-8B

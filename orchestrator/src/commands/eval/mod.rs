@@ -744,8 +744,9 @@ fn sampling(args: &EvalArgs, target: &Qwen3Config) -> Result<Option<Sampling>, C
         .collect();
         if !given.is_empty() {
             return Err(invalid(format!(
-                "{} act only when sampling: give --temperature above 0 too (0, the default, is greedy decoding)",
-                given.join(", ")
+                "{} {} only when sampling: give --temperature above 0 too (0, the default, is greedy decoding)",
+                given.join(", "),
+                if given.len() == 1 { "acts" } else { "act" }
             )));
         }
         return Ok(None);
