@@ -823,8 +823,14 @@ pub(crate) mod tests {
             torch_drafter_worker(&t, &s, 49_152, 8_192),
             torch_drafter_worker(&t, &two, 49_152, 8_192),
         );
-        assert_eq!(d2.weights - d1.weights, ((conv + selector) * 4.0 + conv * 2.0) as u64);
-        assert_eq!(d2.optimiser - d1.optimiser, (12.0 * (conv + selector)) as u64);
+        assert_eq!(
+            d2.weights - d1.weights,
+            ((conv + selector) * 4.0 + conv * 2.0) as u64
+        );
+        assert_eq!(
+            d2.optimiser - d1.optimiser,
+            (12.0 * (conv + selector)) as u64
+        );
         let chunk = 64.0;
         let ((a1, b1), (a2, b2)) = (
             torch_chunk_bytes(&t, &s, chunk, 8_192.0),
@@ -842,7 +848,11 @@ pub(crate) mod tests {
         assert!(c2 <= c1, "{c2} > {c1}");
         two.anchor_chunk = Some(c2);
         let p = plan(&t, &two, two.engines, None, 49_152, 8_192, 0, 0, 0);
-        assert!(p.drafter.total + TORCH_CUDA_CONTEXT < 141 << 30, "{}", gib(p.drafter.total));
+        assert!(
+            p.drafter.total + TORCH_CUDA_CONTEXT < 141 << 30,
+            "{}",
+            gib(p.drafter.total)
+        );
         // The eval process holds the selector and convolutions too.
         let (e1, e2) = (
             eval_worker(&t, &s, 4_096, Engine::Torch, None),
