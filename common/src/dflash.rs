@@ -268,6 +268,11 @@ pub enum LossKind {
     /// probability that the drafter's block survives up to it and past it (D-PACE): see
     /// [`dpace_weights`].
     Dpace,
+    /// Distillation (as `kd`), each block position weighted by D-PACE: the weights come from
+    /// the drafter's detached probabilities of the data's tokens, as in `dpace`, and weigh the
+    /// distillation's cross-entropy against the target's distribution.
+    #[serde(rename = "kd-dpace")]
+    KdDpace,
 }
 
 impl LossKind {
@@ -277,6 +282,7 @@ impl LossKind {
             LossKind::Kd => "kd",
             LossKind::Mix => "mix",
             LossKind::Dpace => "dpace",
+            LossKind::KdDpace => "kd-dpace",
         }
     }
 }
@@ -289,7 +295,8 @@ impl std::str::FromStr for LossKind {
             "kd" => Ok(LossKind::Kd),
             "mix" => Ok(LossKind::Mix),
             "dpace" => Ok(LossKind::Dpace),
-            other => Err(format!("{other:?} is not ce, kd, mix or dpace")),
+            "kd-dpace" => Ok(LossKind::KdDpace),
+            other => Err(format!("{other:?} is not ce, kd, mix, dpace or kd-dpace")),
         }
     }
 }
@@ -1026,11 +1033,11 @@ impl DflashSettings {
         if !(0.0..=1.0).contains(&self.dpace_alpha) {
             return Err("--dpace-alpha must be in [0, 1]".into());
         }
-        if self.loss == LossKind::Dpace && self.gamma.is_some() {
-            return Err(
-                "--loss dpace weighs the block positions itself: --gamma must be auto or none"
-                    .into(),
-            );
+        if self.dpace().is_some() && self.gamma.is_some() {
+            return Err(format!(
+                "--loss {} weighs the block positions itself: --gamma must be auto or none",
+                self.loss.name()
+            ));
         }
         if self.anchor_chunk == Some(0) {
             return Err("--anchor-chunk must be at least 1".into());
@@ -1093,7 +1100,7 @@ impl DflashSettings {
     pub fn distill(&self) -> Option<(f64, f64)> {
         match self.loss {
             LossKind::Ce | LossKind::Dpace => None,
-            LossKind::Kd => Some((1.0, self.kd_temperature)),
+            LossKind::Kd | LossKind::KdDpace => Some((1.0, self.kd_temperature)),
             LossKind::Mix => Some((self.kd_weight, self.kd_temperature)),
         }
     }
@@ -1103,9 +1110,9 @@ impl DflashSettings {
         (self.drafter_arch == DrafterArch::Dflash2).then_some(&self.dflash2)
     }
 
-    /// The `dpace` loss's α, when the loss is D-PACE.
+    /// D-PACE's α, when the loss weighs its block positions by D-PACE (`dpace`, `kd-dpace`).
     pub fn dpace(&self) -> Option<f64> {
-        (self.loss == LossKind::Dpace).then_some(self.dpace_alpha)
+        matches!(self.loss, LossKind::Dpace | LossKind::KdDpace).then_some(self.dpace_alpha)
     }
 
     /// Width of a token's features: the hidden states of every target layer id, concatenated,
@@ -1309,7 +1316,7 @@ mod tests {
         assert!(
             "KD".parse::<LossKind>()
                 .unwrap_err()
-                .contains("ce, kd, mix or dpace")
+                .contains("ce, kd, mix, dpace or kd-dpace")
         );
         assert_eq!("dpace".parse::<LossKind>(), Ok(LossKind::Dpace));
         assert_eq!((default_gamma(16), default_gamma(8)), (7.0, 4.0));

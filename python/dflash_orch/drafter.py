@@ -549,16 +549,18 @@ class TorchDrafter:
                                 dtype=torch.long, device=self.device)
             taught = teacher[rows].to(self.compute)
         step = self.loss_rows
-        per, predicted, sel, sel_hit = [], [], [], []
+        per, hard, predicted, sel, sel_hit = [], [], [], [], []
         for i in range(0, a * b, step):
             piece = slice(i, i + step)
             args = (x[piece], targets[piece], None if taught is None else taught[piece],
                     None if prev is None else prev[piece])
             if a * b > step:
-                ce, argmax, s_ce, s_hit = checkpoint(self._rows_ce, *args, use_reentrant=False)
+                ce, gold, argmax, s_ce, s_hit = checkpoint(self._rows_ce, *args,
+                                                           use_reentrant=False)
             else:
-                ce, argmax, s_ce, s_hit = self._rows_ce(*args)
+                ce, gold, argmax, s_ce, s_hit = self._rows_ce(*args)
             per.append(ce)
+            hard.append(gold)
             predicted.append(argmax)
             sel.append(s_ce)
             sel_hit.append(s_hit)
@@ -567,7 +569,9 @@ class TorchDrafter:
         if self.dpace is not None:
             # D-PACE's weights of the drafter's detached probabilities of the labels, times
             # the positions' own (1 or 0) weights, rounded to f32 as the candle drafter weighs.
-            d = dpace_weights(torch.exp(-per.detach().to(torch.float64)), counted, b, self.dpace)
+            # (Of the data's tokens: with kd-dpace the loss distils, the weights still read them.)
+            gold = torch.cat(hard).to(torch.float64)
+            d = dpace_weights(torch.exp(-gold), counted, b, self.dpace)
             w = (d * weights.to(torch.float64)).to(torch.float32)
         else:
             w = weights
@@ -588,11 +592,13 @@ class TorchDrafter:
     def _rows_ce(self, x, targets, taught, prev):
         """Of some block positions (`x`: their final hidden states): each one's loss before
         weighting (cross-entropy on `targets`, or its mix with distillation of the target's
-        states `taught`), the greedy predictions, and for DFlash2 the selector's cross-entropy
-        and whether its pick (with the data's predecessor `prev`) is the label."""
+        states `taught`), the cross-entropy on `targets` detached, the greedy predictions, and
+        for DFlash2 the selector's cross-entropy and whether its pick (with the data's
+        predecessor `prev`) is the label."""
         logits = F.linear(x, self.lm_head).float()
         log_probs = F.log_softmax(logits, dim=-1)
         per = -log_probs.gather(1, targets.unsqueeze(1)).squeeze(1)
+        gold = per.detach()
         if taught is not None:
             share, temperature = self.distill
             with torch.no_grad():
@@ -602,9 +608,9 @@ class TorchDrafter:
             per = per * (1.0 - share) + kd * share
         argmax = logits.detach().argmax(-1)
         if prev is None:
-            return per, argmax, None, None
+            return per, gold, argmax, None, None
         sel, picked = self._selector_ce(x, logits, targets, prev)
-        return per, argmax, sel, picked
+        return per, gold, argmax, sel, picked
 
     def _selector_ce(self, x, logits, targets, prev):
         """DFlash2's selector loss at some block positions: cross-entropy over the scores of the

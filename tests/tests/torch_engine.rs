@@ -327,6 +327,38 @@ fn the_engines_train_alike_from_the_same_plan() {
         d[0].1,
         plain[0].1
     );
+
+    // Distillation weighed by D-PACE (the weights from the drafter's probabilities of the
+    // data's tokens), on both engines: the same losses, and not dpace's.
+    let kd_dpace = [
+        "--loss",
+        "kd-dpace",
+        "--dpace-alpha",
+        "0.3",
+        "--anchor-chunk",
+        "5",
+    ];
+    let candle_kd = dir.path().join("candle-kd-dpace");
+    let torch_kd = dir.path().join("torch-kd-dpace");
+    finish(
+        launch(&candle_kd, &target, "candle", &kd_dpace)
+            .spawn()
+            .unwrap(),
+    );
+    finish(
+        launch(&torch_kd, &target, "torch", &kd_dpace)
+            .env("DFLASH_LOSS_ROWS", "7")
+            .spawn()
+            .unwrap(),
+    );
+    let k = losses(&candle_kd);
+    assert_losses_agree(&losses(&torch_kd), &k, 30, 1e-4);
+    assert!(
+        (k[0].1 - d[0].1).abs() > 0.01 * d[0].1,
+        "kd-dpace's first loss {} is dpace's {}",
+        k[0].1,
+        d[0].1
+    );
 }
 
 /// `launch --dry-run` plans each worker on its own engine: a torch target holds the whole model

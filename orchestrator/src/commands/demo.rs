@@ -34,9 +34,9 @@ pub struct DemoArgs {
     #[arg(long, value_name = "N", default_value_t = 6, value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub epochs: u32,
 
-    /// The drafter's loss: ce, kd (distillation of the target's distribution), mix or dpace
-    /// (see `launch --help`).
-    #[arg(long, value_name = "ce|kd|mix|dpace", default_value = "ce")]
+    /// The drafter's loss: ce, kd (distillation of the target's distribution), mix, dpace or
+    /// kd-dpace (see `launch --help`).
+    #[arg(long, value_name = "ce|kd|mix|dpace|kd-dpace", default_value = "ce")]
     pub loss: dflash_common::dflash::LossKind,
 
     /// The drafter's architecture: dflash, or dflash2 (with --engine torch; see `launch

@@ -213,8 +213,10 @@ pub struct DflashFlags {
     /// last hidden state, and the drafter applies the frozen lm_head), mix (--kd-weight of kd,
     /// the rest ce), or dpace (D-PACE: ce with each block position weighted by the detached
     /// probability that the drafter's block survives to it and past it, smoothed by
-    /// --dpace-alpha; it replaces the --gamma decay, which must stay auto or none).
-    #[arg(long, value_name = "ce|kd|mix|dpace", default_value = "ce")]
+    /// --dpace-alpha; it replaces the --gamma decay, which must stay auto or none), or kd-dpace
+    /// (kd, each block position weighted as dpace weighs it, from the drafter's probabilities of
+    /// the data's tokens).
+    #[arg(long, value_name = "ce|kd|mix|dpace|kd-dpace", default_value = "ce")]
     pub loss: dflash_common::dflash::LossKind,
 
     /// Temperature of the target's distribution that kd teaches (above 0, at most 100). Only the
@@ -398,7 +400,11 @@ impl DflashFlags {
             clip: self.clip,
             // D-PACE replaces the decay: `auto` is none there (a value is refused).
             gamma: match (self.loss, self.gamma) {
-                (dflash_common::dflash::LossKind::Dpace, options::GammaChoice::Auto) => None,
+                (
+                    dflash_common::dflash::LossKind::Dpace
+                    | dflash_common::dflash::LossKind::KdDpace,
+                    options::GammaChoice::Auto,
+                ) => None,
                 (_, gamma) => gamma.resolve(usize::from(self.block_size)),
             },
             loss: self.loss,
@@ -467,12 +473,15 @@ pub fn config_from_args(
     if let Some(addr) = &args.metrics_addr {
         crate::observe::prom::parse_addr(addr).map_err(CliError::Invalid)?;
     }
-    if args.dflash.loss == dflash_common::dflash::LossKind::Dpace
-        && matches!(args.dflash.gamma, options::GammaChoice::Is(_))
+    if matches!(
+        args.dflash.loss,
+        dflash_common::dflash::LossKind::Dpace | dflash_common::dflash::LossKind::KdDpace
+    ) && matches!(args.dflash.gamma, options::GammaChoice::Is(_))
     {
-        return Err(CliError::Invalid(
-            "--loss dpace weighs the block positions itself: --gamma must be auto or none".into(),
-        ));
+        return Err(CliError::Invalid(format!(
+            "--loss {} weighs the block positions itself: --gamma must be auto or none",
+            args.dflash.loss.name()
+        )));
     }
     let (data, synthetic) = match (&args.data, args.synthetic, stored) {
         (None, None, Some(s)) => (s.data.clone(), s.synthetic),

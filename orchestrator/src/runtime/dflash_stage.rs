@@ -299,7 +299,11 @@ pub(super) fn fingerprint(
                 (None, Some(alpha)) => serde_json::json!({
                     "gamma": settings.gamma, "loss": settings.loss, "dpace_alpha": alpha,
                 }),
-                (Some(_), _) => serde_json::json!({
+                (Some(_), Some(alpha)) => serde_json::json!({
+                    "gamma": settings.gamma, "loss": settings.loss,
+                    "kd_temperature": settings.kd_temperature, "dpace_alpha": alpha,
+                }),
+                (Some(_), None) => serde_json::json!({
                     "gamma": settings.gamma, "loss": settings.loss,
                     "kd_temperature": settings.kd_temperature, "kd_weight": settings.kd_weight,
                 }),

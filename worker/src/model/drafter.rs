@@ -456,6 +456,8 @@ impl Drafter {
             .gather(&targets_t.unsqueeze(1)?, 1)?
             .squeeze(1)?
             .neg()?;
+        // D-PACE reads the drafter's probabilities of the data's tokens, whatever it learns.
+        let hard = per_position.detach();
         if let (Some((share, t)), Some(teacher)) = (objective.distill, teacher) {
             // Position k of the block at `anchor` is taught by the target at anchor + k - 1.
             let last = teacher.dim(0)?.saturating_sub(1);
@@ -481,7 +483,7 @@ impl Drafter {
             None => &weights,
             Some(alpha) => {
                 // The drafter's probability of each label, detached: q = exp(-ce).
-                let ce = per_position.detach().to_vec1::<f32>()?;
+                let ce = hard.to_vec1::<f32>()?;
                 let q: Vec<f64> = ce.iter().map(|&l| (-f64::from(l)).exp()).collect();
                 let counted: Vec<bool> = weights.iter().map(|&w| w > 0.0).collect();
                 let d = dflash_common::dflash::dpace_weights(&q, &counted, b, alpha);
