@@ -134,6 +134,72 @@ fn data_parallel_drafters_repeat_to_the_bit_and_agree_with_one_drafter() {
     }
 }
 
+/// DFlash2 drafters in data parallel: the convolutions' and the selector's gradients are summed
+/// as the layers' are. Two runs with two drafters end with the same bytes, within float rounding
+/// of one drafter, with the same steps and losses, and the selector's metrics on every step.
+#[test]
+fn dflash2_data_parallel_drafters_repeat_to_the_bit_and_agree_with_one_drafter() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = tiny_target(dir.path());
+    let run = |name: &str, topology: (u32, u32)| {
+        let run_dir = dir.path().join(name);
+        let arch = ["--drafter-arch", "dflash2", "--selector-top-k", "8"];
+        finish(launch(&run_dir, &target, topology, &arch).spawn().unwrap());
+        assert_clean(&run_dir);
+        run_dir
+    };
+    let one = run("one", (2, 1));
+    let two = run("two", (2, 2));
+    let again = run("again", (2, 2));
+    assert!(
+        final_bytes(&two) == final_bytes(&again),
+        "two DFlash2 runs with two drafters ended with different model.safetensors"
+    );
+    let (per_tensor, _) = weight_difference(&two, &one);
+    assert!(
+        per_tensor <= 1e-5,
+        "two drafters: weights {per_tensor:.2e} from one drafter's"
+    );
+    let names: Vec<String> = candle_core::safetensors::load(final_checkpoint(&two), &Device::Cpu)
+        .unwrap()
+        .into_keys()
+        .collect();
+    assert!(
+        names
+            .iter()
+            .any(|n| n == "candidate_selector.successor_codebook")
+            && names
+                .iter()
+                .any(|n| n.ends_with("attention_conv.kernel_projection.weight")),
+        "{names:?}"
+    );
+    let (a, b) = (steps(&two), steps(&one));
+    assert_eq!(a.len(), b.len());
+    for (x, y) in a.iter().zip(&b) {
+        assert_eq!((x.0, x.1), (y.0, y.1));
+        assert!(
+            (x.2 - y.2).abs() <= 1e-5 * y.2.abs().max(1e-12),
+            "{x:?} against {y:?}"
+        );
+    }
+    let selector: Vec<f64> = fs::read_to_string(two.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|l| l["kind"] == "train")
+        .map(|l| {
+            l["selector_loss"]
+                .as_f64()
+                .expect("selector_loss on every step")
+        })
+        .collect();
+    assert_eq!(selector.len(), a.len());
+    assert!(
+        selector.iter().all(|l| l.is_finite() && *l > 0.0),
+        "{selector:?}"
+    );
+}
+
 /// SIGKILL drafter rank 1 mid-run: the journal names the rank, the other drafter is stopped,
 /// the group restarts from its last checkpoint on a fresh rendezvous and replays, and the run
 /// ends with the undisturbed run's bytes. A `stop` mid-run ends cleanly at a step boundary and

@@ -240,6 +240,59 @@ fn two_nodes_train_as_one_and_a_lost_node_costs_nothing() {
     }
 }
 
+/// DFlash2 drafters across two nodes (one target and one drafter each) end with the bytes of one
+/// node training both drafters: the convolutions and the selector are reduced as the layers are.
+#[test]
+fn dflash2_drafters_on_two_nodes_train_as_on_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = tiny_target(dir.path());
+    let secret = secret_file(dir.path(), "secret");
+    let extra = [
+        "--epochs",
+        "1",
+        "--drafter-arch",
+        "dflash2",
+        "--selector-top-k",
+        "8",
+    ];
+    let one = dir.path().join("one");
+    finish(
+        launch(&one, &target, "cpu:4", "2:2", &extra)
+            .spawn()
+            .unwrap(),
+    );
+    let port = free_port();
+    let rendezvous = format!("127.0.0.1:{port}");
+    let runs: Vec<PathBuf> = (0..2).map(|r| dir.path().join(format!("n{r}"))).collect();
+    let children: Vec<Child> = (0..2)
+        .map(|r| {
+            let mut args = vec![
+                "--nodes",
+                "2",
+                "--node-rank",
+                if r == 0 { "0" } else { "1" },
+            ];
+            args.extend(["--rendezvous", rendezvous.as_str()]);
+            args.extend(["--rendezvous-secret-file", secret.to_str().unwrap()]);
+            args.extend(extra);
+            launch(&runs[r], &target, "cpu:2", "1:1", &args)
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for child in children {
+        finish(child);
+    }
+    for run_dir in &runs {
+        assert!(
+            final_bytes(run_dir) == final_bytes(&one),
+            "{}: other weights than one node with both DFlash2 drafters",
+            run_dir.display()
+        );
+        assert_clean(run_dir);
+    }
+}
+
 /// Two nodes of two drafters each (`--accum 4`, 30 batches an epoch: each epoch's last group
 /// holds 2 batches, both node 0's): node 1's drafters take part in that group's step with no
 /// batch, and the nodes end with the bytes of one node training all four drafters. Node 0
