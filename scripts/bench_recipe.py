@@ -198,8 +198,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="eval/official --seed of the sampled column, and prompt lookup's")
     g.add_argument("--no-official", action="store_true", help="skip the official package's τ")
     g.add_argument("--no-untrained", action="store_true", help="skip the untrained drafters")
-    g.add_argument("--jobs", type=int_in(1, 64), default=2,
-                   help="served measurements (eval, official) run at once [default: 2]")
+    g.add_argument("--jobs", type=int_in(1, 64), default=1,
+                   help="served measurements (eval, official) run at once; each uses every CPU, "
+                        "so more than one oversubscribes them (two at once on 2 cores ran about "
+                        "ten times slower than one) [default: 1]")
     g.add_argument("--job-timeout", type=int_in(1, 604800), default=1800,
                    help="eval --job-timeout [default: 1800]")
     args = p.parse_args(argv)
