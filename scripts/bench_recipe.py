@@ -639,7 +639,7 @@ def make_data(args: argparse.Namespace, out: Path, target: dict) -> dict:
     key = {"target": key_of(target["key"]), "samples": args.samples,
            "eval_prompts": args.eval_prompts, "reply_tokens": args.reply_tokens,
            "gen_temperature": args.gen_temperature, "seed": args.seed,
-           "max_len": max_len(args), "prefix_chars": PROMPT_CHARS, "version": 2}
+           "max_len": max_len(args), "prefix_chars": list(PROMPT_CHARS), "version": 2}
     ddir = out / "data"
     saved = cached(ddir, key, args.fresh)
     if saved is not None:
