@@ -28,7 +28,7 @@ earlier stage) change:
             checked equal.
   served    τ of every drafter on the held-out prompts: our `dflash-orch eval` and the official
             `dflash` package (scripts/official_dflash.py), greedy (T = 0) and sampled (T = 1,
-            `--temperature 1 --seed S`; recorded as n/a when the command does not take the option);
+            `--temperature 1 --seed S`);
             the untrained drafter of each architecture (`eval --init-seed`); and prompt-lookup
             decoding with the same target in transformers: each step drafts the tokens that
             followed the latest earlier occurrence of the last n tokens (n = 3, 2, 1) of the
@@ -802,67 +802,48 @@ def checkpoint_of(run_dir: Path) -> Path:
 # Stage 4: served acceptance
 # ---------------------------------------------------------------------------------------------
 
-NA_OPTION = "n/a ({what} has no --temperature yet)"
-
-
-def rejected_option(log_path: Path) -> bool:
-    text = log_path.read_text(errors="replace") if log_path.is_file() else ""
-    return "--temperature" in text and ("unexpected argument" in text
-                                        or "unrecognized arguments" in text)
-
-
-def eval_ours(args: argparse.Namespace, out: Path, drafter: Path, tag: str, temperature: float,
-              init_seed: int | None = None) -> dict | str:
-    cmd = [str(args.orch), "eval", "--target-model", str(out / "target"), "--drafter", str(drafter),
-           "--prompts", str(out / "data" / "eval-prompts.jsonl"), "--max-new-tokens",
-           str(args.reply_tokens), "--engine", "torch", "--python", str(args.python),
-           "--job-timeout", str(args.job_timeout), "--json"]
-    if init_seed is not None:
-        cmd += ["--init-seed", str(init_seed)]
-    if temperature > 0:
-        cmd += ["--temperature", str(temperature), "--seed", str(args.sample_seed)]
-    logf = out / "logs" / f"eval-{tag}.log"
-    code, stdout = run(f"eval {tag}", cmd, logf, ok_codes=(0, 1, 2))
-    if temperature > 0 and code == 2 and rejected_option(logf):
-        log(f"eval {tag}: eval does not take --temperature: n/a")
-        return NA_OPTION.format(what="eval")
+def served(label: str, cmd: list[str], logf: Path, fields: tuple[str, ...]) -> dict:
+    """Runs one served measurement (a command that prints its figures as JSON on stdout; exit 1
+    means it ran but was not lossless) and keeps `fields` of them."""
+    code, stdout = run(label, cmd, logf, ok_codes=(0, 1, 2))
     try:
         v = json.loads(stdout) if code in (0, 1) else None
     except ValueError:
         v = None
     if not isinstance(v, dict) or "tau" not in v:
-        raise Failure(f"eval {tag} failed (exit {code}):\n  {' '.join(cmd)}\n  its stderr ends "
+        raise Failure(f"{label} failed (exit {code}):\n  {' '.join(cmd)}\n  its stderr ends "
                       f"({logf}):\n{tail(logf)}")
-    res = {"tau": v.get("tau"), "pooled_tau": v.get("pooled_tau"), "speedup": v.get("speedup"),
-           "lossless": v.get("lossless"), "histogram": v.get("histogram")}
-    log(f"eval {tag}: τ {fmt(res['tau'])}")
+    res = {f: v.get(f) for f in fields}
+    log(f"{label}: τ {fmt(res['tau'])}" + ("" if code == 0 else " (NOT lossless)"))
     return res
+
+
+def sampling_args(args: argparse.Namespace, temperature: float) -> list[str]:
+    return ["--temperature", str(temperature), "--seed", str(args.sample_seed)] \
+        if temperature > 0 else []
+
+
+def eval_ours(args: argparse.Namespace, out: Path, drafter: Path, tag: str, temperature: float,
+              init_seed: int | None = None) -> dict:
+    cmd = [str(args.orch), "eval", "--target-model", str(out / "target"), "--drafter", str(drafter),
+           "--prompts", str(out / "data" / "eval-prompts.jsonl"), "--max-new-tokens",
+           str(args.reply_tokens), "--engine", "torch", "--python", str(args.python),
+           "--job-timeout", str(args.job_timeout), "--json", *sampling_args(args, temperature)]
+    if init_seed is not None:
+        cmd += ["--init-seed", str(init_seed)]
+    return served(f"eval {tag}", cmd, out / "logs" / f"eval-{tag}.log",
+                  ("tau", "pooled_tau", "speedup", "lossless", "histogram"))
 
 
 def eval_official(args: argparse.Namespace, out: Path, drafter: Path, tag: str,
-                  temperature: float) -> dict | str:
+                  temperature: float) -> dict:
     script = Path(__file__).resolve().parent / "official_dflash.py"
     cmd = [str(args.python), str(script), "--target-model", str(out / "target"), "--drafter",
            str(drafter), "--prompts", str(out / "data" / "eval-prompts.jsonl"),
-           "--max-new-tokens", str(args.reply_tokens), "--stop-token-ids", "2"]
-    if temperature > 0:
-        cmd += ["--temperature", str(temperature), "--seed", str(args.sample_seed)]
-    logf = out / "logs" / f"official-{tag}.log"
-    code, stdout = run(f"official {tag}", cmd, logf, ok_codes=(0, 1, 2))
-    if code == 2 and temperature > 0 and rejected_option(logf):
-        log(f"official {tag}: official_dflash.py does not take --temperature: n/a")
-        return NA_OPTION.format(what="official_dflash.py")
-    try:
-        v = json.loads(stdout) if code in (0, 1) else None
-    except ValueError:
-        v = None
-    if v is None:
-        raise Failure(f"official {tag} failed (exit {code}):\n  {' '.join(cmd)}\n  its stderr "
-                      f"ends ({logf}):\n{tail(logf)}")
-    res = {"tau": v.get("tau"), "pooled_tau": v.get("pooled_tau"), "lossless": v.get("lossless")}
-    log(f"official {tag}: τ {fmt(res['tau'])}" + ("" if code == 0 else
-                                                 " (NOT lossless against plain greedy)"))
-    return res
+           "--max-new-tokens", str(args.reply_tokens), "--stop-token-ids", "2",
+           *sampling_args(args, temperature)]
+    return served(f"official {tag}", cmd, out / "logs" / f"official-{tag}.log",
+                  ("tau", "pooled_tau", "lossless"))
 
 
 def prompt_lookup(args: argparse.Namespace, out: Path, temperature: float) -> dict:
@@ -1037,8 +1018,6 @@ def cell(v: Any) -> str:
             return "–"
         flag = "" if v.get("lossless") in (True, None) else " (not lossless)"
         return f"{tau:.2f}{flag}"
-    if isinstance(v, str):
-        return v
     return "–"
 
 
