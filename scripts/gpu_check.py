@@ -25,8 +25,9 @@ Started by scripts/gpu-check (which see for the usage). Steps, each recorded in 
   torch_crash_resume  the crash_resume step on the torch engine
   drafter_step  one drafter training step at the seeds' shape (Qwen3-8B widths, 5 layers, 6
                 sequences of 8,192 tokens = budget 49,152, 512 anchors, block 16, bf16) on both
-                engines (dflash-worker --drafter-bench, python -m dflash_orch.bench_step):
-                tokens/s and MFU (--cpu: a tiny shape)
+                engines (dflash-worker --drafter-bench, python -m dflash_orch.bench_step; the
+                torch drafter's batched step and its legacy per-sequence path): tokens/s and MFU
+                beside the accounting benchmark's projection (--cpu: a tiny shape)
 
 Progress goes to stderr; the summary, one JSON object, to stdout at the end.
 Exit codes: 0 every step passed, 1 a step failed, 2 bad usage.
@@ -965,11 +966,14 @@ def step_drafter_step(ctx):
            "bf16_peak_flops": peak}
     pkg = package_dir(ctx)
     failures = []
-    for engine in ("candle", "torch"):
-        one = dict(req, anchor_chunk=planned_chunk(ctx, engine, req))
+    for engine in ("candle", "torch", "torch_legacy"):
+        one = dict(req, anchor_chunk=planned_chunk(ctx, engine.split("_")[0], req))
         env = dict(ctx.worker_env if engine == "candle" else ctx.env)
         env["CUDA_VISIBLE_DEVICES"] = gpu or ""
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        # The torch drafter's batched step (flex attention compiled, the linear cross-entropy,
+        # fused AdamW) and the per-sequence path before it, side by side.
+        env["DFLASH_DRAFTER_PATH"] = "legacy" if engine == "torch_legacy" else "batched"
         if engine == "candle":
             cmd = [ctx.worker, "--drafter-bench", "-"]
         else:
@@ -998,6 +1002,26 @@ def step_drafter_step(ctx):
         res[engine] = r
     if res.get("candle", {}).get("median_s") and res.get("torch", {}).get("median_s"):
         res["torch_over_candle"] = round(res["candle"]["median_s"] / res["torch"]["median_s"], 3)
+    if not ctx.cpu:
+        # The accounting benchmark's projection of the same step (scripts/bench-step-account),
+        # beside what the GPU measured.
+        env = dict(ctx.env)
+        if pkg:
+            env["PYTHONPATH"] = pkg + os.pathsep + env.get("PYTHONPATH", "")
+        cmd = [ctx.args.python, "-c", BOOTSTRAP, "dflash_orch.account", "--seq-lens", "8192",
+               "--json"]
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ctx.work,
+                                 timeout=ctx.remaining(300))
+            projected = json.loads(out.stdout)["drafter"] if out.returncode == 0 else None
+        except (OSError, subprocess.SubprocessError, ValueError, KeyError):
+            projected = None
+        if projected:
+            for engine, column in (("torch", "batched 8192"), ("torch_legacy", "legacy 8192")):
+                p = projected[column]
+                res.setdefault(engine, {})["projected"] = {
+                    k: p[k] for k in ("step_s", "mfu", "tokens_per_s", "executed_over_useful",
+                                      "aten_ops", "host_syncs")}
     if failures:
         raise StepFailed(f"the drafter step failed on {', '.join(failures)}", **res)
     return res

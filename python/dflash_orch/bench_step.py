@@ -148,7 +148,8 @@ def run(req):
     median = statistics.median(times)
     return {
         "engine": "torch", "torch": torch.__version__, "device": str(device),
-        "dtype": req["dtype"], "attention": drafter.attention, "tokens": tokens_n,
+        "dtype": req["dtype"], "attention": drafter.attention, "path": drafter.path,
+        "tokens": tokens_n,
         "step_s": times, "median_s": median, "tokens_per_s": tokens_n / median,
         "losses": losses,
         "peak_gpu_memory_mib": round(torch.cuda.max_memory_allocated(device) / 2**20)

@@ -28,12 +28,36 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from . import blocks
+from .blocks import dpace_weights  # noqa: F401 - the drafter's D-PACE, imported from here too
 from .target import device_for, dtype_of
 
 # Block positions of the loss computed at once: 4,096 x a 151,936-token vocabulary is 2.5 GB of
 # f32 logits. `DFLASH_LOSS_ROWS` overrides it (tests make it small to exercise the pieces).
 DEFAULT_LOSS_ROWS = 4096
 LOSS_ROWS_ENV = "DFLASH_LOSS_ROWS"
+# The step's code path: `batched` (the default: every anchor of a micro-batch in one pass, one
+# host sync, the linear cross-entropy, foreach/fused AdamW) or `legacy` (per sequence and anchor
+# chunk), kept selectable while the accounting benchmark compares them.
+PATH_ENV = "DFLASH_DRAFTER_PATH"
+PATHS = ("batched", "legacy")
+# `0` runs flex attention eagerly on a GPU instead of compiled (a debugging aid: dense speed).
+COMPILE_ENV = "DFLASH_COMPILE"
+
+
+def step_path():
+    """The step path `DFLASH_DRAFTER_PATH` names (default `batched`); another value is refused."""
+    value = os.environ.get(PATH_ENV, "").strip() or "batched"
+    if value not in PATHS:
+        raise ValueError(f"{PATH_ENV}={value!r}: expected one of {', '.join(PATHS)}")
+    return value
+
+
+def compile_flag():
+    value = os.environ.get(COMPILE_ENV, "").strip() or "1"
+    if value not in ("0", "1"):
+        raise ValueError(f"{COMPILE_ENV}={value!r}: expected 0 or 1")
+    return value == "1"
 
 
 def rms_norm(x, weight, eps):
@@ -72,21 +96,6 @@ def block_weights(loss_mask, anchors, block, gamma):
             t = anchor + k
             out.append(decay[k] if k >= 1 and t < n and loss_mask[t] != 0 else 0.0)
     return torch.tensor(out, dtype=torch.float32)
-
-
-def dpace_weights(q, counted, block, alpha):
-    """D-PACE's weights of rows of `block` positions (`q`: the drafter's probability of each
-    position's label, `counted`: whether it counts), as `dflash_common::dflash::dpace_weights`
-    computes them: per block, the smoothed (1 - alpha) * q + alpha of the counted positions (1
-    elsewhere) make inclusive prefix products C_k, and a counted position weighs the sum of C_m
-    over the counted m >= k; uncounted positions weigh 0. In f64, without gradient."""
-    with torch.no_grad():
-        q = q.detach().to(torch.float64).view(-1, block)
-        on = counted.view(-1, block)
-        smoothed = torch.where(on, (1.0 - alpha) * q + alpha, torch.ones_like(q))
-        prefix = torch.cumprod(smoothed, dim=1) * on
-        suffix = torch.flip(torch.cumsum(torch.flip(prefix, [1]), dim=1), [1])
-        return (suffix * on).view(-1)
 
 
 def param_names(layers, dflash2=False):
@@ -221,7 +230,16 @@ class TorchDrafter:
                              f"drafter expects {(self.vocab, self.hidden)}")
         if req.get("weights"):
             self.load(req["weights"], int(req.get("adam_t") or 0))
-        self.attention = "sdpa"
+        self.path = step_path()
+        self.flex = blocks.flex_available(device)
+        self.compile = compile_flag()
+        self.fused_adam = device.type == "cuda"
+        self.attention = "flex" if self.flex and self.path == "batched" else "sdpa"
+        # bf16 working copies of the weights, made once per optimiser step (batched path).
+        self._work = None
+        self._batched = False
+        self._steps = None
+        self._inv_freq = None
         # The data-parallel drafters' process group (parallel.Group), when there is one.
         self.group = None
 
@@ -387,6 +405,8 @@ class TorchDrafter:
             self.m[n] = torch.zeros(shape, device=self.device)
             self.v[n] = torch.zeros(shape, device=self.device)
         self.t = 0
+        self._steps = None
+        self._work = None
 
     def load(self, directory, adam_t):
         """Weights from `directory/model.safetensors`, moments from `optimizer.safetensors`."""
@@ -404,6 +424,18 @@ class TorchDrafter:
             self.m[n] = moments[f"m.{n}"].to(self.device, torch.float32).contiguous()
             self.v[n] = moments[f"v.{n}"].to(self.device, torch.float32).contiguous()
         self.t = adam_t
+        self._steps = None
+        self._work = None
+
+    @torch.no_grad()
+    def nonfinite(self):
+        """The first weight or moment holding a NaN or an infinity (its name), or None: one
+        host read for them all."""
+        tensors = [(n, self.P[n]) for n in self.names]
+        tensors += [(f"m.{n}", self.m[n]) for n in self.names]
+        tensors += [(f"v.{n}", self.v[n]) for n in self.names]
+        flags = torch.stack([torch.isfinite(t).all() for _, t in tensors]).tolist()
+        return next((n for (n, _), ok in zip(tensors, flags) if not ok), None)
 
     def save(self, directory):
         """Writes the weights and the moments as a checkpoint's two tensor files."""
@@ -423,9 +455,36 @@ class TorchDrafter:
     # -- the model ------------------------------------------------------------------------
 
     def w(self, name):
-        """A weight in the compute dtype (a bf16 copy, or the f32 master itself)."""
+        """A weight in the compute dtype: the f32 master itself, or its bf16 working copy (made
+        once per optimiser step on the batched path, a leaf whose gradient `_fold_work` adds to
+        the master's once per micro-batch; a cast per use on the legacy path)."""
         p = self.P[name]
-        return p if self.compute == torch.float32 else p.to(self.compute)
+        if self.compute == torch.float32:
+            return p
+        if self._work is None:
+            return p.to(self.compute)
+        t = self._work.get(name)
+        if t is None:
+            with torch.no_grad():
+                t = p.to(self.compute)
+            self._work[name] = t.requires_grad_(p.requires_grad)
+        return t
+
+    def _fold_work(self):
+        """The working copies' gradients into the f32 masters' (one accumulation each: a cast
+        where the master has none yet, else one foreach add of them all)."""
+        into, add = [], []
+        for n, t in (self._work or {}).items():
+            if t.grad is not None:
+                p = self.P[n]
+                if p.grad is None:
+                    p.grad = t.grad.to(torch.float32)
+                else:
+                    into.append(p.grad)
+                    add.append(t.grad)
+                t.grad = None
+        if into:
+            torch._foreach_add_(into, add)
 
     def context(self, features, positions):
         """Per layer, keys (rotary applied) and values `[tokens, kv_heads, head_dim]` of the
@@ -450,7 +509,7 @@ class TorchDrafter:
         sequence's `context` (per layer `[seq, kv, d]` keys and values); blocks of `b` (the
         drafter's block size unless given)."""
         b = b or self.block
-        a, h, d = len(anchors), self.hidden, self.head_dim
+        a, d = len(anchors), self.head_dim
         dev = self.device
         seen = max(1, min(context[0][0].shape[0], max(anchors)))
         ids = torch.full((a, b), self.mask_token, dtype=torch.long)
@@ -473,42 +532,55 @@ class TorchDrafter:
             k_off = torch.arange(b, device=dev).repeat(a)
             blk_ok = blk_ok & ((k_off.unsqueeze(1) - k_off.unsqueeze(0)).abs() < self.window)
         mask = torch.cat([ctx_ok, blk_ok], dim=1)
+        gqa = self.heads != self.kv_heads
+
+        def attend(kc, vc, q, kb, vb):
+            # One query sequence of all the blocks; keys: the context seen, then the blocks.
+            keys = torch.cat([kc[:seen], kb.reshape(a * b, self.kv_heads, d)], dim=0)
+            values = torch.cat([vc[:seen], vb.reshape(a * b, self.kv_heads, d)], dim=0)
+            q = q.reshape(a * b, self.heads, d).transpose(0, 1).unsqueeze(0)
+            return F.scaled_dot_product_attention(
+                q, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
+                attn_mask=mask, enable_gqa=gqa).squeeze(0).transpose(0, 1)
+
+        return self._layers(x, context, cos, sin, attend)
+
+    def _layers(self, x, context, cos, sin, attend):
+        """The drafter's layers over blocks `x` `[n, b, hidden]` and the final norm, as
+        `[n * b, hidden]`: `attend(kc, vc, q, kb, vb)` gives a layer's attention `[n * b, heads,
+        head_dim]` of the blocks' queries `q` `[n, b, heads, d]` (rotary applied) to the
+        context's keys and values `kc`, `vc` (that layer's of `context`) and the blocks' own
+        `kb`, `vb` `[n, b, kv_heads, d]`."""
+        n, b, h = x.shape
+        d = self.head_dim
         d2 = self.dflash2
         for i, (kc, vc) in enumerate(context):
             p = f"layers.{i}."
             hn = rms_norm(x, self.P[p + "input_layernorm.weight"], self.eps)
             if d2:
                 hn, after = self._conv_prepare(hn, p + "attention_conv.")
-            q = F.linear(hn, self.w(p + "self_attn.q_proj.weight")).view(a, b, self.heads, d)
+            q = F.linear(hn, self.w(p + "self_attn.q_proj.weight")).view(n, b, self.heads, d)
             q = rms_norm(q, self.P[p + "self_attn.q_norm.weight"], self.eps)
             q = q * cos + rotate_half(q) * sin
-            kb = F.linear(hn, self.w(p + "self_attn.k_proj.weight")).view(a, b, self.kv_heads, d)
+            kb = F.linear(hn, self.w(p + "self_attn.k_proj.weight")).view(n, b, self.kv_heads, d)
             kb = rms_norm(kb, self.P[p + "self_attn.k_norm.weight"], self.eps)
             kb = kb * cos + rotate_half(kb) * sin
-            vb = F.linear(hn, self.w(p + "self_attn.v_proj.weight")).view(a, b, self.kv_heads, d)
-            # One query sequence of all the blocks; keys: the context seen, then the blocks.
-            q = q.reshape(a * b, self.heads, d).transpose(0, 1).unsqueeze(0)
-            keys = torch.cat([kc[:seen], kb.reshape(a * b, self.kv_heads, d)], dim=0)
-            values = torch.cat([vc[:seen], vb.reshape(a * b, self.kv_heads, d)], dim=0)
-            keys = keys.transpose(0, 1).unsqueeze(0)
-            values = values.transpose(0, 1).unsqueeze(0)
-            out = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
-            out = out.squeeze(0).transpose(0, 1).reshape(a, b, self.heads * d)
+            vb = F.linear(hn, self.w(p + "self_attn.v_proj.weight")).view(n, b, self.kv_heads, d)
+            out = attend(kc, vc, q, kb, vb).reshape(n, b, self.heads * d)
             out = F.linear(out, self.w(p + "self_attn.o_proj.weight"))
             if d2:
                 out = after(out)
             x = x + out
-            n = rms_norm(x, self.P[p + "post_attention_layernorm.weight"], self.eps)
+            hn = rms_norm(x, self.P[p + "post_attention_layernorm.weight"], self.eps)
             if d2:
-                n, after = self._conv_prepare(n, p + "mlp_conv.")
-            act = F.silu(F.linear(n, self.w(p + "mlp.gate_proj.weight"))) * F.linear(
-                n, self.w(p + "mlp.up_proj.weight"))
+                hn, after = self._conv_prepare(hn, p + "mlp_conv.")
+            act = F.silu(F.linear(hn, self.w(p + "mlp.gate_proj.weight"))) * F.linear(
+                hn, self.w(p + "mlp.up_proj.weight"))
             out = F.linear(act, self.w(p + "mlp.down_proj.weight"))
             if d2:
                 out = after(out)
             x = x + out
-        return rms_norm(x, self.P["norm.weight"], self.eps).reshape(a * b, h)
+        return rms_norm(x, self.P["norm.weight"], self.eps).reshape(n * b, h)
 
     def _conv_prepare(self, hn, prefix):
         """DFlash2's convolution before a sublayer (of its normed input `hn` `[a, b, hidden]`),
@@ -548,6 +620,27 @@ class TorchDrafter:
             rows = torch.tensor([min(max(p + k - 1, 0), last) for p in anchors for k in range(b)],
                                 dtype=torch.long, device=self.device)
             taught = teacher[rows].to(self.compute)
+        total, hit, counted, selector, _ = self._weighted_loss(x, targets, prev, taught, weights)
+        if selector is not None:
+            selector = (float(selector[0].detach()), selector[1])
+        return (total, float(weights.double().sum()), hit.sum(0), counted.sum(0), selector)
+
+    def _weighted_loss(self, x, targets, prev, taught, weights, counted=None, scale=1.0):
+        """The weighted loss sum of block rows `x` `[a * b, hidden]`, per row whether the greedy
+        prediction is a counted hit `[a, b]`, the counted rows `[a, b]`, and DFlash2's selector
+        (its weighted cross-entropy sum, its right picks per block position; None for DFlash),
+        and the loss times `scale` (the one to call `backward` on). Plain cross-entropy (and D-PACE) goes through `blocks.LinearCE` on the batched path;
+        distillation, DFlash2 and the legacy path compute the logits in pieces under autograd."""
+        b = self.block
+        a = x.shape[0] // b
+        if counted is None:
+            counted = weights > 0
+        if self._batched and taught is None and self.dflash2 is None:
+            rows = max(b, self.loss_rows // b * b)
+            scaled, total, hits, _ = blocks.LinearCE.apply(
+                x, self.lm_head, targets, weights, counted, b, rows, self.dpace, scale)
+            on = counted.view(a, b)
+            return total, hits.view(a, b) & on, on, None, scaled
         step = self.loss_rows
         per, hard, predicted, sel, sel_hit = [], [], [], [], []
         for i in range(0, a * b, step):
@@ -565,7 +658,6 @@ class TorchDrafter:
             sel.append(s_ce)
             sel_hit.append(s_hit)
         per = torch.cat(per)
-        counted = weights > 0
         if self.dpace is not None:
             # D-PACE's weights of the drafter's detached probabilities of the labels, times
             # the positions' own (1 or 0) weights, rounded to f32 as the candle drafter weighs.
@@ -583,11 +675,10 @@ class TorchDrafter:
             total = total + self.dflash2["weight"] * sel_total
             with torch.no_grad():
                 picks = (torch.cat(sel_hit).view(a, b) & counted.view(a, b)).sum(0)
-            selector = (float(sel_total.detach()), picks)
+            selector = (sel_total.detach(), picks)
         with torch.no_grad():
             hit = ((torch.cat(predicted) == targets).view(a, b) & counted.view(a, b))
-        return (total, float(weights.double().sum()), hit.sum(0), counted.view(a, b).sum(0),
-                selector)
+        return total, hit, counted.view(a, b), selector, total * scale
 
     def _rows_ce(self, x, targets, taught, prev):
         """Of some block positions (`x`: their final hidden states): each one's loss before
@@ -646,6 +737,150 @@ class TorchDrafter:
     def micro_batch(self, features, tokens, loss_mask, sequences, accum):
         """Forward and backward of one micro-batch (`sequences`: (start, length, anchors)); the
         gradients, scaled by 1 / (weight * accum), are added to the parameters' `.grad`."""
+        if self.path == "legacy":
+            return self._micro_batch_legacy(features, tokens, loss_mask, sequences, accum)
+        self._batched = True
+        try:
+            return self._micro_batch_batched(features, tokens, loss_mask, sequences, accum)
+        finally:
+            self._batched = False
+
+    def _micro_batch_batched(self, features, tokens, loss_mask, sequences, accum):
+        """Every anchor of the micro-batch in one pass (anchor chunks only with
+        `--anchor-chunk`): the plan made once on the host and copied in three transfers, the
+        context once, the blocks of all sequences against it under one mask, one backward, the
+        metrics kept on the device and read in one transfer at the end."""
+        b = self.block
+        plan = blocks.Plan(tokens, loss_mask, sequences, b, self.gamma, self.window)
+        weight = plan.weight_sum
+        out = {"loss": 0.0, "weight": weight, "anchors": 0,
+               "correct": [0] * b, "counted": [0] * b}
+        if weight <= 0:
+            return out
+        out["anchors"] = plan.anchors_n
+        scale = 1.0 / (weight * max(accum, 1))
+        dev = self.device
+        width = self.states * self.hidden
+        features = features.to(dev, non_blocking=True)
+        ints = torch.stack([plan.targets, plan.previous, plan.teacher_rows,
+                            plan.counted.to(torch.long), plan.ctx_lo, plan.ctx_hi, plan.blk_lo,
+                            plan.blk_hi, plan.block_positions.reshape(-1),
+                            plan.anchor_tokens.repeat_interleave(b)]).to(dev, non_blocking=True)
+        rows = {"targets": ints[0], "previous": ints[1], "teacher": ints[2],
+                "counted": ints[3].to(torch.bool), "iv": ints[4:8], "pos": ints[8],
+                "anchor_tokens": ints[9], "weights": plan.weights.to(dev, non_blocking=True)}
+        positions = plan.positions.to(dev, non_blocking=True)
+        if self._work is None and self.compute != torch.float32:
+            self._work = {}
+        context = self.context(features[:, :width], positions)
+        teacher = features[:, width:width + self.hidden] if self.distill else None
+        chunks = plan.chunks(self.chunk)
+        leaves = context
+        if len(chunks) > 1:
+            leaves = [(k.detach().requires_grad_(), v.detach().requires_grad_())
+                      for k, v in context]
+        loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
+        selector_sum = torch.zeros((), dtype=torch.float64, device=dev)
+        correct = torch.zeros(b, dtype=torch.long, device=dev)
+        counted = torch.zeros(b, dtype=torch.long, device=dev)
+        picks = torch.zeros(b, dtype=torch.long, device=dev)
+        for anchors in chunks:
+            r = slice(anchors.start * b, anchors.stop * b)
+            x = self._batched_blocks(leaves, plan, anchors, rows)
+            taught = None
+            if teacher is not None:
+                taught = teacher[rows["teacher"][r]].to(self.compute)
+            total, hit, on, selector, scaled = self._weighted_loss(
+                x, rows["targets"][r], rows["previous"][r] if self.dflash2 else None, taught,
+                rows["weights"][r], rows["counted"][r], scale)
+            scaled.backward()
+            loss_sum += total.detach().to(torch.float64)
+            correct += hit.sum(0)
+            counted += on.sum(0)
+            if selector is not None:
+                selector_sum += selector[0].to(torch.float64)
+                picks += selector[1]
+        if len(chunks) > 1:
+            tensors, grads = [], []
+            for (k, v), (lk, lv) in zip(context, leaves):
+                for t, leaf in ((k, lk), (v, lv)):
+                    if leaf.grad is not None:
+                        tensors.append(t)
+                        grads.append(leaf.grad)
+            if tensors:
+                torch.autograd.backward(tensors, grads)
+        self._fold_work()
+        # The one host sync of the micro-batch: every figure in one transfer.
+        figures = torch.cat([loss_sum.view(1), selector_sum.view(1), correct.double(),
+                             counted.double(), picks.double()]).tolist()
+        out["loss"] = figures[0] / weight
+        out["correct"] = [int(v) for v in figures[2:2 + b]]
+        out["counted"] = [int(v) for v in figures[2 + b:2 + 2 * b]]
+        if self.dflash2:
+            out["selector_loss"] = figures[1] / weight
+            out["selector_correct"] = [int(v) for v in figures[2 + 2 * b:]]
+        return out
+
+    def _rope(self, positions):
+        """cos and sin `[..., head_dim]` in the compute dtype, the inverse frequencies made once
+        (as `rope_tables` makes them)."""
+        if self._inv_freq is None:
+            d = self.head_dim
+            self._inv_freq = torch.tensor(
+                [1.0 / self.theta ** (2.0 * i / d) for i in range(d // 2)],
+                dtype=torch.float64).to(torch.float32).to(self.device)
+        angles = positions.to(torch.float32).unsqueeze(-1) * self._inv_freq
+        cos, sin = angles.cos(), angles.sin()
+        return (torch.cat([cos, cos], dim=-1).to(self.compute),
+                torch.cat([sin, sin], dim=-1).to(self.compute))
+
+    def _batched_blocks(self, context, plan, anchors, rows):
+        """The final hidden states `[n * b, hidden]` of the blocks of `anchors` (a range of the
+        plan's) against the context keys and values of the whole micro-batch: the keys are the
+        context span the anchors reach (padded to flex's tile) and then the blocks' own, under
+        the plan's intervals (a flex `BlockMask` on GPU, a dense mask for SDPA elsewhere)."""
+        b, d = self.block, self.head_dim
+        n = len(anchors)
+        r = slice(anchors.start * b, anchors.stop * b)
+        q_rows = n * b
+        lo, hi = plan.key_span(anchors)
+        span = hi - lo
+        pad = -(-span // blocks.TILE) * blocks.TILE if self.flex else span
+        keys = pad + q_rows
+        base = pad + torch.arange(n, device=self.device).repeat_interleave(b) * b
+        iv = rows["iv"][:, r]
+        iv = torch.stack([iv[0] - lo, iv[1] - lo, base + iv[2], base + iv[3]])
+        if self.flex:
+            mask = blocks.block_mask(iv, q_rows, keys)
+        else:
+            mask = blocks.dense_mask(iv, keys)
+        ids = rows["anchor_tokens"][r].view(n, b).clone()
+        ids[:, 1:] = self.mask_token
+        x = self.embedding[ids].to(self.compute)  # [n, b, h]
+        cos, sin = self._rope(rows["pos"][r].view(n, b))
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+        gqa = self.heads != self.kv_heads
+
+        def attend(kc, vc, q, kb, vb):
+            kc, vc = kc[lo:hi], vc[lo:hi]
+            if pad > span:
+                fill = (0, 0, 0, 0, 0, pad - span)
+                kc, vc = F.pad(kc, fill), F.pad(vc, fill)
+            keys_t = torch.cat([kc, kb.reshape(q_rows, self.kv_heads, d)]).transpose(0, 1)
+            values = torch.cat([vc, vb.reshape(q_rows, self.kv_heads, d)]).transpose(0, 1)
+            q = q.reshape(q_rows, self.heads, d).transpose(0, 1)
+            if self.flex:
+                att = blocks.flex(q.unsqueeze(0), keys_t.unsqueeze(0), values.unsqueeze(0), mask,
+                                  gqa, self.compile)
+            else:
+                att = blocks.sdpa(q.unsqueeze(0), keys_t.unsqueeze(0), values.unsqueeze(0), mask,
+                                  gqa)
+            return att.squeeze(0).transpose(0, 1)
+
+        return self._layers(x, context, cos, sin, attend)
+
+    def _micro_batch_legacy(self, features, tokens, loss_mask, sequences, accum):
+        """The step per sequence and anchor chunk (the path before the batched one)."""
         weight = 0.0
         for start, length, anchors in sequences:
             w = block_weights(loss_mask[start:start + length], anchors, self.block, self.gamma)
@@ -738,6 +973,50 @@ class TorchDrafter:
         return answer
 
     def _step(self, lr, clip, skip):
+        if self.path == "legacy":
+            return self._step_legacy(lr, clip, skip)
+        grads = [(n, self.P[n].grad) for n in self.names]
+        if skip or all(g is None for _, g in grads):
+            self.zero_grad()
+            return {"grad_norm": None}
+        present = [(n, g) for n, g in grads if g is not None]
+        gs = [g for _, g in present]
+        # The one host sync of the step: the global norm, from per-tensor norms on the device.
+        norm = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gs)).double()))
+        if not math.isfinite(norm):
+            bad = next((n for n, g in present if not bool(torch.isfinite(g).all())),
+                       "an unknown parameter")
+            self.zero_grad()
+            return {"nonfinite": bad}
+        if norm > clip and norm > 0:
+            torch._foreach_mul_(gs, clip / norm)
+        self.t += 1
+        names = [n for n, _ in present]
+        if self._steps is None:
+            self._steps = {}
+        steps = []
+        for n in names:
+            # AdamW's functional form counts a tensor's steps itself (it adds one first); every
+            # tensor's bias correction reads the drafter's step count, as on the legacy path.
+            held = self._steps.get(n)
+            if held is None:
+                held = self._steps[n] = [torch.tensor(float(self.t - 1), device=self.device),
+                                         self.t - 1]
+            elif held[1] != self.t - 1:
+                held[0].fill_(float(self.t - 1))
+            held[1] = self.t
+            steps.append(held[0])
+        from torch.optim.adamw import adamw
+
+        fused = self.fused_adam
+        adamw([self.P[n] for n in names], gs, [self.m[n] for n in names],
+              [self.v[n] for n in names], [], steps, foreach=not fused, fused=fused,
+              amsgrad=False, beta1=0.9, beta2=0.999, lr=lr, weight_decay=self.weight_decay,
+              eps=1e-8, maximize=False)
+        self.zero_grad()
+        return {"grad_norm": norm}
+
+    def _step_legacy(self, lr, clip, skip):
         grads = [(n, self.P[n].grad) for n in self.names]
         if skip or all(g is None for _, g in grads):
             self.zero_grad()
@@ -769,3 +1048,5 @@ class TorchDrafter:
     def zero_grad(self):
         for p in self.P.values():
             p.grad = None
+        # The masters may change: working copies are made again at the next micro-batch.
+        self._work = None

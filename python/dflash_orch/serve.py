@@ -34,7 +34,8 @@ Requests (the answers' `"ok": true` and `"id"` not repeated below):
   "sequences": [[start, length, [anchor, ...]], ...], "accum": k}` -> forward and backward of one
   micro-batch, `{"loss", "weight", "anchors", "correct": [...], "counted": [...]}`.
 - `{"op": "step", "lr", "clip", "skip"}` -> `{"grad_norm": g|null}` or `{"nonfinite": NAME}`.
-- `{"op": "snapshot", "dir": DIR}` -> writes the weights and moments there, `{"adam_t": t}`.
+- `{"op": "snapshot", "dir": DIR}` -> writes the weights and moments there (the checkpoint's own
+  tensor files; refused when a value is not finite), `{"adam_t": t}`.
 - `{"op": "check_replicas"}` -> data-parallel drafters (every rank at once): `{}` when every
   rank's weights have rank 0's checksums, else an error naming the first tensor that differs.
 
@@ -207,6 +208,11 @@ class Server:
     def snapshot(self, req):
         if self.drafter is None:
             raise Refused("snapshot before init")
+        # The files are the checkpoint's own (the worker publishes them where they lie): a
+        # non-finite value is refused before anything is written.
+        bad = self.drafter.nonfinite()
+        if bad is not None:
+            raise Refused(f"tensor {bad} holds a non-finite value; no checkpoint is written")
         return {"adam_t": self.drafter.save(req["dir"])}
 
     def check_replicas(self, req):

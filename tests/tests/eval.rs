@@ -44,6 +44,7 @@ fn setup() -> Setup {
             weights,
             moments: Vec::new(),
             config: checkpoint::hf_config(&drafter.config, &c),
+            written: None,
         },
         1,
     )

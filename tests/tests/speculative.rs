@@ -296,6 +296,7 @@ fn drafter_checkpoints_load_back_and_bad_ones_are_named() {
                 .collect(),
             weights,
             config: checkpoint::hf_config(&drafter.config, &f.model.config),
+            written: None,
         };
         checkpoint::save(&root, &snapshot, 1).unwrap()
     };

@@ -395,6 +395,7 @@ fn drafters() -> Drafters {
             weights: checkpoint::weights(&drafter).unwrap(),
             moments: Vec::new(),
             config: checkpoint::hf_config(&drafter.config, &c),
+            written: None,
         },
         1,
     )

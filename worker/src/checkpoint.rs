@@ -57,6 +57,17 @@ pub struct Snapshot {
     pub moments: Vec<NamedMoments>,
     /// `config.json`.
     pub config: Value,
+    /// Where an engine already wrote `model.safetensors` and `optimizer.safetensors` itself (the
+    /// torch engine's child, into the checkpoint's staging directory [`staging_dir`]):
+    /// `weights` and `moments` are then empty, and [`save`] adds the rest and publishes that
+    /// directory, so that the tensors cross the disk once.
+    pub written: Option<PathBuf>,
+}
+
+/// The directory a checkpoint of `step` is built in under `root` before it is renamed into
+/// place, by this process (`.step-N.tmp-PID`; what [`remove_stale`] removes after a crash).
+pub fn staging_dir(root: &Path, step: u64) -> PathBuf {
+    root.join(format!(".step-{step}.tmp-{}", std::process::id()))
 }
 
 fn write_safetensors(path: &Path, tensors: &[(String, &[usize], &[f32])]) -> io::Result<()> {
@@ -116,6 +127,101 @@ fn read_safetensors(path: &Path) -> io::Result<Vec<NamedTensor>> {
     Ok(out)
 }
 
+/// Checks, from their headers alone, that `dir` holds a checkpoint's two tensor files with
+/// exactly the weights `expected` (name, shape) and both moments of each, all f32, and that each
+/// file is as long as its header says: what an engine wrote itself, before it is published
+/// (the values' finiteness is the engine's to check as it writes them).
+pub fn check_tensor_files(dir: &Path, expected: &[(String, Vec<usize>)]) -> io::Result<()> {
+    let weights: BTreeMap<String, Vec<usize>> = expected.iter().cloned().collect();
+    let moments: BTreeMap<String, Vec<usize>> = expected
+        .iter()
+        .flat_map(|(n, s)| [(format!("m.{n}"), s.clone()), (format!("v.{n}"), s.clone())])
+        .collect();
+    check_header(&dir.join("model.safetensors"), &weights)?;
+    check_header(&dir.join("optimizer.safetensors"), &moments)
+}
+
+fn check_header(path: &Path, expected: &BTreeMap<String, Vec<usize>>) -> io::Result<()> {
+    use std::io::Read;
+
+    let bad = |what: String| {
+        io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("{}: {what}", path.display()),
+        )
+    };
+    let mut file = fs::File::open(path)?;
+    let size = file.metadata()?.len();
+    let mut prefix = [0u8; 8];
+    file.read_exact(&mut prefix)
+        .map_err(|_| bad("shorter than a safetensors header".into()))?;
+    let n = u64::from_le_bytes(prefix);
+    if n > 100 << 20 || 8 + n > size {
+        return Err(bad(format!("a header of {n} bytes in a file of {size}")));
+    }
+    let mut header = vec![0u8; n as usize];
+    file.read_exact(&mut header)?;
+    let header: BTreeMap<String, Value> =
+        serde_json::from_slice(&header).map_err(|e| bad(format!("its header is not JSON: {e}")))?;
+    let mut end = 0u64;
+    let mut seen = 0usize;
+    for (name, entry) in &header {
+        if name == "__metadata__" {
+            continue;
+        }
+        let Some(shape) = expected.get(name) else {
+            return Err(bad(format!(
+                "holds {name}, which the drafter does not have"
+            )));
+        };
+        seen += 1;
+        if entry["dtype"] != "F32" {
+            return Err(bad(format!("tensor {name} is {}, not F32", entry["dtype"])));
+        }
+        let got: Option<Vec<usize>> = entry["shape"]
+            .as_array()
+            .and_then(|a| a.iter().map(|d| d.as_u64().map(|d| d as usize)).collect());
+        if got.as_ref() != Some(shape) {
+            return Err(bad(format!(
+                "tensor {name} has shape {}, not {shape:?}",
+                entry["shape"]
+            )));
+        }
+        let offsets: Option<Vec<u64>> = entry["data_offsets"]
+            .as_array()
+            .and_then(|a| a.iter().map(Value::as_u64).collect());
+        let Some([from, to]) = offsets
+            .as_deref()
+            .and_then(|o| <[u64; 2]>::try_from(o).ok())
+        else {
+            return Err(bad(format!("tensor {name} has no data offsets")));
+        };
+        let elements: u64 = shape.iter().map(|&d| d as u64).product();
+        if to < from || to - from != elements * 4 {
+            return Err(bad(format!(
+                "tensor {name}'s data is {} bytes, its shape needs {}",
+                to.saturating_sub(from),
+                elements * 4
+            )));
+        }
+        end = end.max(to);
+    }
+    if seen != expected.len() {
+        let missing = expected.keys().find(|k| !header.contains_key(*k));
+        return Err(bad(format!(
+            "lacks {}",
+            missing.map_or("a tensor", String::as_str)
+        )));
+    }
+    if 8 + n + end != size {
+        return Err(bad(format!(
+            "is {size} bytes, its header accounts for {}",
+            8 + n + end
+        )));
+    }
+    Ok(())
+}
+
 fn sync_dir(path: &Path) {
     let _ = fs::File::open(path).and_then(|d| d.sync_all());
 }
@@ -172,11 +278,31 @@ pub fn save(root: &Path, snapshot: &Snapshot, keep: usize) -> io::Result<PathBuf
     fs::create_dir_all(root)?;
     let name = format!("step-{}", snapshot.state.step);
     let done = root.join(&name);
-    let temp = root.join(format!(".{name}.tmp-{}", std::process::id()));
-    let _ = fs::remove_dir_all(&temp);
-    fs::create_dir(&temp)?;
+    let temp = staging_dir(root, snapshot.state.step);
+    match &snapshot.written {
+        // The engine's files are the checkpoint's: they are published where they lie.
+        Some(dir) if *dir == temp => {}
+        Some(dir) => {
+            let _ = fs::remove_dir_all(dir);
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "{}: a checkpoint of step {} is built in {}",
+                    dir.display(),
+                    snapshot.state.step,
+                    temp.display()
+                ),
+            ));
+        }
+        None => {
+            let _ = fs::remove_dir_all(&temp);
+            fs::create_dir(&temp)?;
+        }
+    }
     let result = (|| -> io::Result<()> {
-        write_tensors(&temp, &snapshot.weights, &snapshot.moments)?;
+        if snapshot.written.is_none() {
+            write_tensors(&temp, &snapshot.weights, &snapshot.moments)?;
+        }
         fs::write(
             temp.join("config.json"),
             serde_json::to_vec_pretty(&snapshot.config)?,
@@ -263,6 +389,7 @@ fn load_dir(dir: PathBuf) -> io::Result<Option<(PathBuf, Snapshot)>> {
             weights,
             moments,
             config,
+            written: None,
         },
     )))
 }
@@ -491,6 +618,7 @@ mod tests {
                 ("norm.weight".into(), vec![2], vec![0.3; 2], vec![0.4; 2]),
             ],
             config: serde_json::json!({"architectures": ["DFlashDraftModel"], "block_size": 16}),
+            written: None,
         }
     }
 
@@ -534,6 +662,115 @@ mod tests {
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
             .collect();
         assert!(names.iter().all(|n| !n.starts_with('.')), "{names:?}");
+        fs::remove_dir_all(&root).unwrap();
+    }
+
+    fn expected(s: &Snapshot) -> Vec<(String, Vec<usize>)> {
+        s.weights
+            .iter()
+            .map(|(n, sh, _)| (n.clone(), sh.clone()))
+            .collect()
+    }
+
+    /// A snapshot whose tensors an engine wrote itself into the staging directory is published
+    /// where it lies (the files are not read or written again) and reads back as the snapshot
+    /// the writer would have written from memory, with the same tensor bytes.
+    #[test]
+    fn a_checkpoint_an_engine_wrote_is_published_where_it_lies() {
+        let root = temp_root("written");
+        fs::create_dir_all(&root).unwrap();
+        let full = snapshot(10);
+        let staging = staging_dir(&root, 10);
+        fs::create_dir(&staging).unwrap();
+        write_tensors(&staging, &full.weights, &full.moments).unwrap();
+        check_tensor_files(&staging, &expected(&full)).unwrap();
+        let before = fs::metadata(staging.join("model.safetensors")).unwrap();
+        let written = Snapshot {
+            weights: Vec::new(),
+            moments: Vec::new(),
+            written: Some(staging.clone()),
+            ..full.clone()
+        };
+        let mut writer = Writer::start(root.clone(), 2).unwrap();
+        writer.submit(written).unwrap();
+        assert!(writer.finish().unwrap().iter().all(Result::is_ok));
+        assert!(!staging.exists());
+        let (dir, back) = load_latest(&root).unwrap().unwrap();
+        assert_eq!(dir, root.join("step-10"));
+        assert_eq!(back, full);
+        // The same file, moved: its inode is the one the engine wrote.
+        use std::os::unix::fs::MetadataExt;
+        let after = fs::metadata(dir.join("model.safetensors")).unwrap();
+        assert_eq!(before.ino(), after.ino());
+        let other = temp_root("written-from-memory");
+        save(&other, &full, 2).unwrap();
+        for file in ["model.safetensors", "optimizer.safetensors"] {
+            assert_eq!(
+                fs::read(dir.join(file)).unwrap(),
+                fs::read(other.join("step-10").join(file)).unwrap(),
+                "{file}"
+            );
+        }
+        // A snapshot claiming files elsewhere is refused, and those files removed.
+        let stray = root.join("stray");
+        fs::create_dir(&stray).unwrap();
+        let wrong = Snapshot {
+            written: Some(stray.clone()),
+            ..snapshot(20)
+        };
+        let err = save(&root, &wrong, 2).unwrap_err().to_string();
+        assert!(err.contains("is built in"), "{err}");
+        assert!(!stray.exists());
+        assert_eq!(steps(&root), vec![10]);
+        fs::remove_dir_all(&root).unwrap();
+        fs::remove_dir_all(&other).unwrap();
+    }
+
+    /// Tensor files that are not the drafter's are refused from their headers, naming what is
+    /// wrong: a tensor missing, one the drafter lacks, another shape, a truncated file, a header
+    /// that is not JSON or is longer than the file.
+    #[test]
+    fn tensor_files_that_are_not_the_drafters_are_refused_by_their_headers() {
+        let root = temp_root("headers");
+        fs::create_dir_all(&root).unwrap();
+        let full = snapshot(10);
+        write_tensors(&root, &full.weights, &full.moments).unwrap();
+        let good = expected(&full);
+        check_tensor_files(&root, &good).unwrap();
+        let mut extra = good.clone();
+        extra.push(("lm_head.weight".into(), vec![2]));
+        let mut fewer = good.clone();
+        fewer.pop();
+        let mut reshaped = good.clone();
+        reshaped[0].1 = vec![3, 2];
+        for (expected, needle) in [
+            (&extra, "lacks lm_head.weight"),
+            (&fewer, "which the drafter does not have"),
+            (&reshaped, "has shape [2,3], not [3, 2]"),
+        ] {
+            let err = check_tensor_files(&root, expected).unwrap_err().to_string();
+            assert!(err.contains(needle), "{err}");
+            assert!(err.contains("model.safetensors"), "{err}");
+        }
+        let path = root.join("optimizer.safetensors");
+        let bytes = fs::read(&path).unwrap();
+        fs::write(&path, &bytes[..bytes.len() - 4]).unwrap();
+        let err = check_tensor_files(&root, &good).unwrap_err().to_string();
+        assert!(
+            err.contains("optimizer.safetensors") && err.contains("its header accounts for"),
+            "{err}"
+        );
+        let mut garbage = bytes.clone();
+        garbage[8] = b'!';
+        fs::write(&path, &garbage).unwrap();
+        let err = check_tensor_files(&root, &good).unwrap_err().to_string();
+        assert!(err.contains("not JSON"), "{err}");
+        fs::write(&path, u64::MAX.to_le_bytes()).unwrap();
+        let err = check_tensor_files(&root, &good).unwrap_err().to_string();
+        assert!(err.contains("a header of"), "{err}");
+        fs::write(&path, b"abc").unwrap();
+        let err = check_tensor_files(&root, &good).unwrap_err().to_string();
+        assert!(err.contains("shorter than a safetensors header"), "{err}");
         fs::remove_dir_all(&root).unwrap();
     }
 
@@ -942,6 +1179,7 @@ pub fn snapshot(
         weights,
         moments,
         config,
+        written: None,
     })
 }
 

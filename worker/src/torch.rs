@@ -378,14 +378,19 @@ impl Stage for TargetStage {
 /// The drafter's compute on the torch engine: the child holds the weights, the gradients and
 /// AdamW's moments; this process decides everything else (see [`crate::dflash::DrafterStage`]).
 ///
-/// Weights and moments cross between the two as a checkpoint's two tensor files, in a directory
-/// of this process's own beside the checkpoints (`.engine.tmp-PID`): the initial weights (drawn
-/// here from the run's seed, as the candle drafter draws them) or a checkpoint's go in at
-/// start, and a copy comes out for each checkpoint, which this process writes as the candle
-/// drafter's are written.
+/// Weights and moments cross between the two as a checkpoint's two tensor files: the initial
+/// weights (drawn here from the run's seed, as the candle drafter draws them) or a checkpoint's
+/// go in at start through a directory of this process's own beside the checkpoints
+/// (`.engine.tmp-PID`); for each checkpoint the child writes them into the checkpoint's staging
+/// directory, which the writer completes and publishes (one write of the tensors).
 pub struct DrafterEngine {
     child: TorchChild,
     exchange: std::path::PathBuf,
+    /// The checkpoints' directory: the child writes a checkpoint's tensors into its staging
+    /// directory there ([`checkpoint::staging_dir`]).
+    checkpoints: std::path::PathBuf,
+    /// The drafter's weights (name, shape): what a checkpoint the child wrote must hold.
+    expected: Vec<(String, Vec<usize>)>,
     /// Seconds the last step spent summing the ranks' gradients.
     reduce_s: f64,
 }
@@ -432,6 +437,12 @@ impl DrafterEngine {
         let mut engine = Self {
             child: TorchChild::start(runtime, run_dir(settings))?,
             exchange,
+            checkpoints: settings.checkpoint_dir.clone(),
+            expected: config
+                .tensors()
+                .into_iter()
+                .map(|(n, s, _)| (n, s))
+                .collect(),
             reduce_s: 0.0,
         };
         let shape = &config.shape;
@@ -619,23 +630,36 @@ impl crate::dflash::DrafterCompute for DrafterEngine {
         Ok(())
     }
 
+    /// The child writes the checkpoint's tensors into its staging directory itself (checking
+    /// every value is finite); this process checks the files' headers and hands the directory to
+    /// the writer, which adds `config.json` and `state.json` and publishes it: the tensors cross
+    /// the disk once. On failure nothing is left.
     fn snapshot(&mut self, state: TrainingState, config: Value) -> Result<Snapshot, String> {
-        let _ = std::fs::remove_dir_all(&self.exchange);
-        std::fs::create_dir_all(&self.exchange)
-            .map_err(|e| format!("{}: {e}", self.exchange.display()))?;
-        let answer = self.child.request(json!({
-            "op": "snapshot", "dir": self.exchange,
-        }))?;
-        let adam_t = number(&answer, "adam_t")? as u64;
-        let read = checkpoint::read_tensors(&self.exchange);
-        let _ = std::fs::remove_dir_all(&self.exchange);
-        let (weights, moments) = read
-            .map_err(|e| format!("the torch engine's copy of the drafter cannot be read: {e}"))?;
+        let dir = checkpoint::staging_dir(&self.checkpoints, state.step);
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let written = self
+            .child
+            .request(json!({"op": "snapshot", "dir": dir}))
+            .and_then(|answer| number(&answer, "adam_t"))
+            .and_then(|adam_t| {
+                checkpoint::check_tensor_files(&dir, &self.expected)
+                    .map(|()| adam_t as u64)
+                    .map_err(|e| format!("the torch engine's checkpoint is not the drafter's: {e}"))
+            });
+        let adam_t = match written {
+            Ok(t) => t,
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&dir);
+                return Err(e);
+            }
+        };
         Ok(Snapshot {
             state: TrainingState { adam_t, ..state },
-            weights,
-            moments,
+            weights: Vec::new(),
+            moments: Vec::new(),
             config,
+            written: Some(dir),
         })
     }
 }
