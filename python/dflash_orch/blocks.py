@@ -90,10 +90,14 @@ class Plan:
         self.blk_hi = blk_hi.reshape(-1)
 
     def chunks(self, size):
-        """Consecutive anchor ranges of at most `size` anchors (all of them with None): whole
-        sequences together while they fit, a sequence of more than `size` anchors in pieces of
-        `size` on its own (so that a chunk's keys span the fewest sequences)."""
-        if not size or size >= self.anchors_n:
+        """Consecutive anchor ranges of at most `size` anchors: whole sequences together while
+        they fit, a sequence of more than `size` anchors in pieces of `size` on its own (so that
+        a chunk's keys span the fewest sequences). Without a size, as many as the sequence with
+        the most has: what the launch's memory plan allows at once (one sequence's anchors,
+        `--anchor-chunk` where fewer fit)."""
+        if not size:
+            size = max(self.counts, default=1)
+        if size >= self.anchors_n:
             return [range(0, self.anchors_n)] if self.anchors_n else []
         out, at, open_at = [], 0, 0
         for count in self.counts:

@@ -1,7 +1,7 @@
-//! `scripts/bench-step-account` (a benchmark, run by hand): its counts at the seeds' shape say
-//! what the goals read (the batched drafter step executes what it needs and syncs the
-//! host at most twice; the legacy path reads every gradient's norm apart), and it refuses bad
-//! options with exit 2 naming them.
+//! `scripts/bench-step-account` (a benchmark, run by hand): its counts at the seeds' shape show
+//! what the batched drafter step is for (it executes what it needs and syncs the host at most
+//! twice; the legacy path recomputes logits, attends to masked keys and reads every gradient's
+//! norm apart), and it refuses bad options with exit 2 naming them.
 
 use std::process::Command;
 
@@ -18,9 +18,11 @@ fn account(args: &[&str]) -> std::process::Output {
         .unwrap()
 }
 
+/// In one pass (`--anchor-chunk 3072`: the six sequences' 512 anchors together), where the
+/// legacy path's recomputed logits and dense masks show most.
 #[test]
 fn the_batched_step_executes_what_it_needs_with_two_host_syncs() {
-    let out = account(&["--seq-lens", "8192", "--json"]);
+    let out = account(&["--seq-lens", "8192", "--anchor-chunk", "3072", "--json"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     let report: Value = serde_json::from_slice(&out.stdout).unwrap();
@@ -52,6 +54,7 @@ fn the_batched_step_executes_what_it_needs_with_two_host_syncs() {
 #[test]
 fn bad_options_are_refused_with_exit_2_naming_them() {
     for (args, needle) in [
+        (&["--anchor-chunk", "0"][..], "--anchor-chunk: 0"),
         (&["--seq-lens", "12"][..], "--seq-lens: 12"),
         (&["--seq-lens", "eight"][..], "--seq-lens 'eight'"),
         (&["--seq-lens", "99999"][..], "--seq-lens: 99999"),
