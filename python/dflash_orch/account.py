@@ -379,8 +379,6 @@ def replay_target(seq_len, record=True):
     indices = [k + 1 for k in TARGET_LAYER_IDS]
     target = TorchTarget(None, indices, torch.bfloat16, torch.device("meta"), torch.bfloat16,
                          model=model)
-    # A GPU under SDPA runs rows by length (a packed row's mask would be dense there).
-    target.packing = False
     lengths = target_lengths(seq_len)
     rng = random.Random(0)
     tokens = [rng.randrange(t["vocab_size"]) for _ in range(sum(lengths))]

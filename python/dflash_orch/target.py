@@ -5,18 +5,11 @@ Features are the target's hidden states `hidden_states[k + 1]` for each layer id
 concatenated per token, in the batch's sample order: `[tokens, n * hidden]`. It is the layout the
 candle target writes, so that the engines mix.
 
-Sequences never see each other. A micro-batch's sequences go through as one packed row, each
-from position 0: `transformers` builds the mask from where the position ids restart. That is the
-path on CPU, and on a GPU under flex attention (a block-sparse document mask); it is checked once
-per model on two short sequences against each run alone, and an architecture whose masks ignore
-the position ids (gpt-oss) keeps the other path. On a GPU under SDPA (where a packed mask would
-be a dense `[s, s]` tensor with every masked pair computed) each sequence runs as its own row
-from position 0, rows of one length together (no padding, no mask: SDPA's causal kernel).
-
-The hidden states are taken by forward hooks on the decoder layers (and the final norm, for index
-`L`), and the forward stops after the last layer needed, so memory is the model's activations for
-one row or group of rows plus the features: linear in tokens (and the packed row's mask where
-one is built).
+Sequences never see each other: each runs as its own row from position 0 (rows of one length go
+through together, so no padding and no attention mask is built), through SDPA with its causal
+kernel; no `[s, s]` mask exists. The hidden states are taken by forward hooks on the decoder layers
+(and the final norm, for index `L`), and the forward stops after the last layer needed, so memory
+is the model's activations for one group of rows plus the features themselves: linear in tokens.
 """
 
 import os
@@ -134,9 +127,6 @@ class TorchTarget:
             module.register_forward_hook(self._hook(i, stop=(i == last and i < self.num_layers)))
         poison = os.environ.get(POISON_TOKEN_ENV, "").strip()
         self.poison = int(poison) if poison.isdigit() else None
-        # Whether a micro-batch's sequences go through as one packed row (decided at the first
-        # batch, see `_packing_works`).
-        self.packing = None
 
     def _hook(self, index, stop):
         def hook(_module, _inputs, output):
@@ -159,38 +149,6 @@ class TorchTarget:
         self._captured = {}
         return torch.cat(states, dim=-1)
 
-    def _packed(self, ids, lengths):
-        """Hidden states `[tokens, n * hidden]` of sequences back to back in one row (`ids`,
-        1-D), each from position 0: `transformers` builds the mask from where the position ids
-        restart, so that no sequence sees another."""
-        positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])
-        self._captured = {}
-        try:
-            self.model.get_decoder()(input_ids=ids.unsqueeze(0),
-                                     position_ids=positions.unsqueeze(0), use_cache=False)
-        except _Stop:
-            pass
-        states = [self._captured[i] for i in self.indices]
-        self._captured = {}
-        return torch.cat(states, dim=-1)[0]
-
-    def _packing_works(self):
-        """Whether packed rows are worth it and right for this model. On a GPU under SDPA a
-        packed row's mask would be a dense `[s, s]` tensor with every masked pair computed, so
-        rows of one length go together there. Elsewhere two short sequences packed must give
-        each one's states run alone (within rounding): an architecture whose masks ignore the
-        position ids (gpt-oss) would let the second see the first, and keeps rows by length."""
-        if self.device.type == "cuda" and self.attention != "flex_attention":
-            return False
-        vocab = self.vocab_size
-        a = torch.tensor([1 % vocab, 2 % vocab, 3 % vocab, 4 % vocab], device=self.device)
-        b = torch.tensor([5 % vocab, 6 % vocab, 7 % vocab], device=self.device)
-        alone = torch.cat([self._rows(a.unsqueeze(0))[0], self._rows(b.unsqueeze(0))[0]]).float()
-        packed = self._packed(torch.cat([a, b]), [4, 3]).float()
-        scale = float(alone.abs().max()) or 1.0
-        tol = 1e-4 if self.dtype == torch.float32 else 2e-2
-        return float((packed - alone).abs().max()) <= tol * scale
-
     @torch.inference_mode()
     def features_into(self, tokens, lengths, out, token_budget=None):
         """Writes the features of the sequences (`tokens` back to back, `lengths` each) into
@@ -212,16 +170,12 @@ class TorchTarget:
         for length in lengths:
             starts.append(at)
             at += length
-        budget = max(token_budget or n, 1)
-        if self.packing is None:
-            self.packing = self._packing_works()
-        if self.packing:
-            return self._packed_into(all_ids, starts, lengths, out, budget)
         # Rows of one length together, at most a budget's worth of tokens at a time.
         by_length = {}
         for s, length in enumerate(lengths):
             if length > 0:
                 by_length.setdefault(length, []).append(s)
+        budget = max(token_budget or n, 1)
         finite = torch.ones(len(self.indices), dtype=torch.bool, device=self.device)
         for length, seqs in sorted(by_length.items()):
             per = max(budget // length, 1)
@@ -239,36 +193,5 @@ class TorchTarget:
                 ).all(dim=3).all(dim=1).all(dim=0)
                 for r, s in enumerate(group):
                     out[starts[s]:starts[s] + length].copy_(values[r])
-        flags = finite.tolist()
-        return next((j for j, ok in enumerate(flags) if not ok), None)
-
-    def _packed_into(self, all_ids, starts, lengths, out, budget):
-        """`features_into` by packed rows: consecutive sequences together up to the budget (one
-        forward per micro-batch as planned), each pack's features copied out at once (the
-        sequences are back to back in the slot too)."""
-        finite = torch.ones(len(self.indices), dtype=torch.bool, device=self.device)
-        packs, current, size = [], [], 0
-        for s, length in enumerate(lengths):
-            if length == 0:
-                continue
-            if current and size + length > budget:
-                packs.append(current)
-                current, size = [], 0
-            current.append(s)
-            size += length
-        if current:
-            packs.append(current)
-        for pack in packs:
-            begin = starts[pack[0]]
-            end = starts[pack[-1]] + lengths[pack[-1]]
-            ids = all_ids[begin:end].to(self.device)
-            values = self._packed(ids, [lengths[s] for s in pack]).to(self.feature_dtype)
-            if self.poison is not None:
-                hit = ids == self.poison
-                if bool(hit.any()):
-                    values[:, 0] = torch.where(hit, torch.nan, values[:, 0])
-            finite &= torch.isfinite(
-                values.view(end - begin, len(self.indices), self.hidden)).all(dim=2).all(dim=0)
-            out[begin:end].copy_(values)
         flags = finite.tolist()
         return next((j for j, ok in enumerate(flags) if not ok), None)

@@ -4,8 +4,7 @@
 
 For each architecture a tiny random model is made from a config (no download) and saved; the
 engine's `TorchTarget` loads it like any model directory and fills a packed batch of uneven
-lengths (as packed rows where the model keeps packed sequences apart, `packed` in the output; else
-rows by length); the reference is `output_hidden_states=True` of each sequence run alone, entry `k + 1`
+lengths; the reference is `output_hidden_states=True` of each sequence run alone, entry `k + 1`
 for layer id `k` (the last entry after the final norm). Also checks that the comparison can fail:
 the same tokens run as one row (sequences attending across each other) differ from the reference.
 Prints one JSON line per architecture; exits 0 when every difference is within --tol (f32).
@@ -74,7 +73,6 @@ def check(arch, tol, work):
     cross_diff = (crossed[lengths[0]:] - ref[lengths[0]:]).abs().max().item()
     ok = diff <= tol and nonfinite is None and cross_diff > 100 * tol
     return ok, {"arch": arch, "max_abs_diff": diff, "tol": tol, "attention": target.attention,
-                "packed": target.packing,
                 "cross_sequence_diff": cross_diff, "nonfinite": nonfinite,
                 "scale": ref.abs().max().item()}
 

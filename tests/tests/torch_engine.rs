@@ -196,10 +196,6 @@ fn the_torch_targets_features_equal_transformers_on_packed_batches() {
         assert_eq!(r["ok"], true, "{r}");
         assert!(r["max_abs_diff"].as_f64().unwrap() <= 1e-5, "{r}");
         assert!(r["cross_sequence_diff"].as_f64().unwrap() > 1e-3, "{r}");
-        // One packed row per budget where the model's masks read the restarting position ids;
-        // gpt-oss's do not (its check at load finds the second sequence seeing the first), and
-        // it keeps rows by length.
-        assert_eq!(r["packed"], r["arch"] != "gpt_oss", "{r}");
     }
     eprintln!("{stdout}");
 }

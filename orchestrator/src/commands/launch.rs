@@ -345,9 +345,10 @@ pub struct DflashFlags {
     #[arg(long, value_name = "PATH")]
     pub python: Option<PathBuf>,
 
-    /// Anchors of a sequence computed and back-propagated together (gradients of the chunks are
-    /// summed): 1 to 65536, or auto (as many as fit the drafter's activation budget at
-    /// --max-len; see `launch --dry-run`).
+    /// Anchors computed and back-propagated together (gradients of the chunks are summed): 1 to
+    /// 65536, or auto (as many as fit the drafter's activation budget at --max-len; see `launch
+    /// --dry-run`). Candle chunks a sequence's anchors; the torch drafter packs whole sequences
+    /// into a chunk, so a count past one sequence's anchors runs several sequences in one pass.
     #[arg(long, value_name = "N|auto", default_value = "auto", value_parser = options::count_or_auto(1, 65_536))]
     pub anchor_chunk: options::CountOrAuto,
 }
@@ -447,6 +448,12 @@ impl DflashFlags {
             settings.torch = (settings.engine_auto || settings.engines.uses(Engine::Torch))
                 .then(|| torch_engine::runtime(self.python.as_deref()));
             settings.anchor_chunk = match self.anchor_chunk {
+                // The torch drafter packs whole sequences into a chunk, so a count past one
+                // sequence's anchors runs several sequences in one pass; candle's chunks are
+                // within a sequence.
+                options::CountOrAuto::Count(n) if settings.engines.drafter == Engine::Torch => {
+                    Some(n as usize)
+                }
                 options::CountOrAuto::Count(n) => {
                     Some(n as usize).filter(|&n| n < settings.num_anchors)
                 }

@@ -402,14 +402,23 @@ pub fn torch_drafter_worker(
     let (conv, selector) = dflash2_params(target, s);
     let params = sh.hidden * n * sh.hidden + sh.hidden * 2.0 + layers * sh.layer_params() + conv;
     let heads_matrices = if target.tie_word_embeddings { 1.0 } else { 2.0 };
-    // The compute-dtype copies of the weights a chunk's graph keeps.
+    // The compute-dtype working copies of the weights, made once per optimiser step, and their
+    // gradients until they are added into the f32 masters' at the micro-batch's end.
     let compute_copy = if s.dtype.bytes() == 4 {
         0.0
     } else {
-        params * e
+        2.0 * params * e
     };
-    let chunk = s.anchor_chunk.unwrap_or(s.num_anchors).min(s.num_anchors) as f64;
-    let (attention, blocks) = torch_chunk_bytes(target, s, chunk, max_len);
+    // A chunk of more anchors than one sequence has holds several sequences, whose contexts
+    // its blocks' keys span (at most the micro-batch's tokens).
+    let chunk = s.anchor_chunk.unwrap_or(s.num_anchors) as f64;
+    let sequences = (chunk / s.num_anchors.max(1) as f64).ceil().max(1.0);
+    let (attention, blocks) = torch_chunk_bytes(
+        target,
+        s,
+        chunk,
+        (sequences * max_len).min(budget.max(max_len)),
+    );
     let conversion = if s.feature_dtype == s.dtype { 0.0 } else { e };
     let context = budget
         * (width * conversion
@@ -807,8 +816,8 @@ pub(crate) mod tests {
     /// A DFlash2 drafter at Qwen3-8B's shape and the published sizes (kernel 2, group 16, top-K
     /// 16, rank 256): its codebooks (2 × 151,936 × 256) and hidden projection (256 × 4,096), and
     /// per layer two convolutions of a base kernel (2 × 2 × 4,096) and a kernel projection
-    /// (2 × 2 × 256 × 4,096), as f32 masters, gradients and moments, the convolutions also in
-    /// bf16; its chunk holds the convolutions' activations and the selector's gathered codes, so
+    /// (2 × 2 × 256 × 4,096), as f32 masters, gradients and moments, the convolutions also as
+    /// bf16 working copies with their gradients; its chunk holds the convolutions' activations and the selector's gathered codes, so
     /// `auto` picks a chunk no larger; and it still fits an H200.
     #[test]
     fn a_dflash2_drafter_plans_its_convolutions_and_selector() {
@@ -823,9 +832,10 @@ pub(crate) mod tests {
             torch_drafter_worker(&t, &s, 49_152, 8_192),
             torch_drafter_worker(&t, &two, 49_152, 8_192),
         );
+        // f32 masters, and the bf16 working copies and their gradients.
         assert_eq!(
             d2.weights - d1.weights,
-            ((conv + selector) * 4.0 + conv * 2.0) as u64
+            ((conv + selector) * 4.0 + conv * 2.0 * 2.0) as u64
         );
         assert_eq!(
             d2.optimiser - d1.optimiser,
