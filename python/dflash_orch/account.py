@@ -70,12 +70,11 @@ def _tensors(tree):
 
 
 class Recorder(TorchDispatchMode):
-    """Records each dispatched op (see the module's doc); with `record` off it only answers
-    what `meta` cannot (syncs, copies out of the device)."""
+    """Records each dispatched op (see the module's doc), answering what `meta` cannot (syncs,
+    copies out of the device)."""
 
-    def __init__(self, record=True):
+    def __init__(self):
         super().__init__()
-        self.record = record
         self.ops = Counter()
         self.device_ops = 0
         self.kernels = 0
@@ -113,8 +112,6 @@ class Recorder(TorchDispatchMode):
             self.d2h_bytes += args[1].numel() * args[1].element_size()
             return args[0]
         out = func(*args, **kwargs)
-        if not self.record:
-            return out
         ins, outs = _tensors((args, kwargs)), _tensors(out)
         name = func._overloadpacket.__name__
         on_device = any(t.device.type == "meta" for t in ins + outs)
@@ -161,8 +158,6 @@ class Recorder(TorchDispatchMode):
         """An attention kernel of `pairs` executed (query, key) pairs and operands of `sizes`
         bytes: forward 4 FLOPs per pair and head dimension, backward 8 (the counts
         `flop_counter` gives SDPA)."""
-        if not self.record:
-            return
         flops = (8 if backward else 4) * pairs * heads * d
         self.flops += flops
         self.flops_by["attention"] += flops
@@ -259,7 +254,7 @@ def _meta_drafter(path, spec):
     return d
 
 
-def replay_drafter(path, seq_len, record=True, anchor_chunk=None):
+def replay_drafter(path, seq_len, anchor_chunk=None):
     """One micro-batch and one optimiser step of the drafter on `meta`: the recorder, the useful
     FLOPs and the tokens."""
     from . import drafter as drafter_module
@@ -271,7 +266,7 @@ def replay_drafter(path, seq_len, record=True, anchor_chunk=None):
     width = STATES * spec["shape"]["hidden"]
     # The ring's slot: host memory (never touched: the copy to `meta` reads no bytes).
     features = torch.empty(n_tok, width, dtype=torch.bfloat16)
-    rec = Recorder(record)
+    rec = Recorder()
     plans = []
     real_plan = blocks.Plan
 
@@ -288,7 +283,7 @@ def replay_drafter(path, seq_len, record=True, anchor_chunk=None):
         # cost the same).
         p = plans[-1]
         key = (id(p), q.shape[-2], k.shape[-2])
-        if record and key not in tiles:
+        if key not in tiles:
             for anchors in p.chunks(anchor_chunk):
                 lo, hi = p.key_span(anchors)
                 pad = -(-(hi - lo) // blocks.TILE) * blocks.TILE
@@ -319,11 +314,9 @@ def replay_drafter(path, seq_len, record=True, anchor_chunk=None):
     drafter_module.F.scaled_dot_product_attention = dense_stub
     torch.Tensor.tolist = tolist
     try:
-        started = time.perf_counter()
         with rec:
             d.micro_batch(features, tokens, mask, sequences, 1)
             d.step(6e-4, 1.0, False)
-        host_s = time.perf_counter() - started
     finally:
         (blocks.Plan, blocks.flex, blocks.sdpa,
          drafter_module.F.scaled_dot_product_attention) = saved
@@ -332,7 +325,7 @@ def replay_drafter(path, seq_len, record=True, anchor_chunk=None):
     p = plans[-1] if plans else real_plan(tokens, mask, sequences, BLOCK, 7.0, None)
     pairs = blocks.attended_pairs(p.intervals(range(0, p.anchors_n), 0, 0))
     useful = useful_drafter_flops(spec, n_tok, p.anchors_n * BLOCK, pairs)
-    return rec, useful, n_tok, host_s
+    return rec, useful, n_tok
 
 
 TARGET_LAYER_IDS = [1, 9, 17, 25, 33]
@@ -357,7 +350,7 @@ def useful_target_flops(lengths):
     return {"gemm": gemm, "attention": layers * pairs * 4 * q}
 
 
-def replay_target(seq_len, record=True):
+def replay_target(seq_len):
     """One target micro-batch (`TorchTarget.features_into`) of a Qwen3-8B-shaped model built on
     `meta` by `transformers`, writing into a host slot."""
     from transformers import AutoModelForCausalLM, Qwen3Config
@@ -383,7 +376,7 @@ def replay_target(seq_len, record=True):
     rng = random.Random(0)
     tokens = [rng.randrange(t["vocab_size"]) for _ in range(sum(lengths))]
     out = torch.empty(sum(lengths), len(indices) * t["hidden_size"], dtype=torch.bfloat16)
-    rec = Recorder(record)
+    rec = Recorder()
     real_sdpa = torch.nn.functional.scaled_dot_product_attention
     real_tolist = torch.Tensor.tolist
 
@@ -406,18 +399,16 @@ def replay_target(seq_len, record=True):
     torch.nn.functional.scaled_dot_product_attention = sdpa_stub
     torch.Tensor.tolist = tolist
     try:
-        started = time.perf_counter()
         with rec:
             target.features_into(tokens, lengths, out, BUDGET)
-        host_s = time.perf_counter() - started
     finally:
         torch.nn.functional.scaled_dot_product_attention = real_sdpa
         torch.Tensor.tolist = real_tolist
-    return rec, useful_target_flops(lengths), sum(lengths), host_s
+    return rec, useful_target_flops(lengths), sum(lengths)
 
 
 def account_target(seq_len):
-    rec, useful, n_tok, _ = replay_target(seq_len, True)
+    rec, useful, n_tok = replay_target(seq_len)
     return summary(rec, useful, n_tok, rec.device_ops * DISPATCH_S + target_prep_s(seq_len))
 
 
@@ -504,7 +495,7 @@ def target_prep_s(seq_len):
 
 
 def account_drafter(path, seq_len, anchor_chunk=None):
-    rec, useful, n_tok, _ = replay_drafter(path, seq_len, True, anchor_chunk)
+    rec, useful, n_tok = replay_drafter(path, seq_len, anchor_chunk)
     return summary(rec, useful, n_tok, rec.device_ops * DISPATCH_S + drafter_prep_s(path, seq_len))
 
 

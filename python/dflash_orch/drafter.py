@@ -122,6 +122,19 @@ def param_names(layers, dflash2=False):
 SELECTOR = "candidate_selector."
 
 
+def backward_context(context, leaves):
+    """Through the context once: the chunks' summed gradients of its keys and values (`leaves`,
+    the detached copies each chunk back-propagated into)."""
+    tensors, grads = [], []
+    for (k, v), (lk, lv) in zip(context, leaves):
+        for t, leaf in ((k, lk), (v, lv)):
+            if leaf.grad is not None:
+                tensors.append(t)
+                grads.append(leaf.grad)
+    if tensors:
+        torch.autograd.backward(tensors, grads)
+
+
 def grouped_conv(x, dynamic, base, group):
     """DFlash2's grouped dynamic causal convolution of blocks `x` `[a, b, hidden]` along their
     `b` positions, each block starting from zeros: output position t sums, over the taps j,
@@ -801,14 +814,7 @@ class TorchDrafter:
                 selector_sum += selector[0].to(torch.float64)
                 picks += selector[1]
         if len(chunks) > 1:
-            tensors, grads = [], []
-            for (k, v), (lk, lv) in zip(context, leaves):
-                for t, leaf in ((k, lk), (v, lv)):
-                    if leaf.grad is not None:
-                        tensors.append(t)
-                        grads.append(leaf.grad)
-            if tensors:
-                torch.autograd.backward(tensors, grads)
+            backward_context(context, leaves)
         self._fold_work()
         # The one host sync of the micro-batch: every figure in one transfer.
         figures = torch.cat([loss_sum.view(1), selector_sum.view(1), correct.double(),
@@ -922,15 +928,7 @@ class TorchDrafter:
                 if selector is not None:
                     selector_sum += selector[0]
                     picks += selector[1]
-        # Through the context once: the chunks' summed gradients of its keys and values.
-        tensors, grads = [], []
-        for (k, v), (lk, lv) in zip(context, leaves):
-            for t, leaf in ((k, lk), (v, lv)):
-                if leaf.grad is not None:
-                    tensors.append(t)
-                    grads.append(leaf.grad)
-        if tensors:
-            torch.autograd.backward(tensors, grads)
+        backward_context(context, leaves)
         out["loss"] = loss_sum / weight
         out["correct"] = correct.tolist()
         out["counted"] = counted.tolist()
