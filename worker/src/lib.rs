@@ -98,8 +98,9 @@ pub struct WorkerArgs {
     #[arg(long, value_name = "REQUEST", conflicts_with = "eval")]
     pub generate: Option<PathBuf>,
 
-    /// Synthetic stage: microseconds spent per token of a forward pass.
-    #[arg(long, value_name = "US", default_value_t = 0.0)]
+    /// Synthetic stage: microseconds spent per token of this worker's work (a target's forward,
+    /// a drafter's training).
+    #[arg(long, value_name = "US", default_value_t = 0.0, value_parser = microseconds)]
     pub synthetic_us_per_token: f64,
 
     /// The input ring (shared memory).
@@ -146,6 +147,16 @@ fn open_ring(path: &Option<PathBuf>, what: &str) -> Result<Ring, WorkerError> {
         .as_ref()
         .ok_or_else(|| WorkerError::Invalid(format!("--{what}-ring is required")))?;
     Ok(Ring::open(path)?)
+}
+
+/// A synthetic cost: finite microseconds, 0 to 1,000,000.
+fn microseconds(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if (0.0..=1e6).contains(&v) => Ok(v),
+        _ => Err(format!(
+            "{s:?} is not a number of microseconds from 0 to 1000000"
+        )),
+    }
 }
 
 /// Loads the stage this worker runs.

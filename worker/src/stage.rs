@@ -142,6 +142,8 @@ pub fn check_written(features: &Ring, at: SlotRef) -> Result<SlotMeta, String> {
 
 /// The synthetic stage. A target maps each token to `token ^ mix(position)` in its feature slot;
 /// the drafter maps the features back and checks the tokens' checksum against the orchestrator's.
+/// Each spends at least `us_per_token` microseconds a token of the batch (the worker's
+/// `--synthetic-us-per-token`: the launch's target or drafter cost, by role).
 pub struct Synthetic {
     us_per_token: f64,
 }
@@ -205,6 +207,7 @@ impl Stage for Synthetic {
         _group: Group,
         _nonfinite: Option<&str>,
     ) -> Result<(u32, Option<TrainMetrics>), String> {
+        let started = Instant::now();
         let meta = check_written(features, at)?;
         let data = features.data(at.slot);
         let n = meta.tokens as usize;
@@ -221,6 +224,10 @@ impl Stage for Synthetic {
             return Err(format!(
                 "corrupt batch: features give checksum {found:08x}, the orchestrator wrote {checksum:08x}"
             ));
+        }
+        let spend = Duration::from_secs_f64(self.us_per_token * n as f64 / 1e6);
+        if let Some(rest) = spend.checked_sub(started.elapsed()) {
+            std::thread::sleep(rest);
         }
         Ok((found, None))
     }

@@ -44,10 +44,21 @@ pub struct LaunchArgs {
     #[arg(long, value_name = "US", default_value_t = 0.0, value_parser = options::real(0.0, 1e6, " microseconds"))]
     pub synthetic_us_per_token: f64,
 
-    /// T:D, T target workers and D drafter workers [default: all but one are targets]. D > 1
-    /// with --stage dflash trains the drafter data-parallel on the torch engine (--engine torch):
-    /// the D drafters form one torch.distributed group and split each accumulation group.
-    #[arg(long, value_name = "T:D")]
+    /// Synthetic stage: microseconds a drafter spends per token it trains.
+    #[arg(long, value_name = "US", default_value_t = 0.0, value_parser = options::real(0.0, 1e6, " microseconds"))]
+    pub synthetic_drafter_us_per_token: f64,
+
+    /// T:D, T target workers and D drafter workers, or auto [default: auto with --stage dflash,
+    /// all but one as targets on the synthetic stage]. D > 1 with --stage dflash trains the
+    /// drafter data-parallel on the torch engine (--engine torch): the D drafters form one
+    /// torch.distributed group and split each accumulation group. auto balances the roles on
+    /// what a micro-batch costs each on the run's own plan (a FLOP model of the target's
+    /// forward and the drafter's step on GPUs; the --synthetic-*us-per-token costs on the
+    /// synthetic stage), within --accum and the engine (the candle drafter trains alone); CPU
+    /// workers share the machine's cores, so on them auto keeps all but one as targets. A
+    /// resume keeps the run's drafters. `launch --dry-run` prints the choice and why; the
+    /// journal records it.
+    #[arg(long, value_name = "T:D|auto")]
     pub topology: Option<String>,
 
     /// Epochs to train (1 to 1000).
@@ -543,6 +554,7 @@ pub fn config_from_args(
         synthetic_seed: args.synthetic_seed,
         stage,
         synthetic_us_per_token: args.synthetic_us_per_token,
+        synthetic_drafter_us_per_token: args.synthetic_drafter_us_per_token,
         epochs: args.epochs,
         planner: PlannerSettings::from_config(&plan),
         max_restarts: args.max_restarts,
@@ -832,8 +844,9 @@ fn dry_run_text(d: &runtime::dry_run::DryRun) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "workers: {}\nbatches of at most {} tokens, sequences of at most {}",
+        "workers: {}\ntopology {}\nbatches of at most {} tokens, sequences of at most {}",
         d.workers.join(", "),
+        d.topology.describe(),
         d.token_budget,
         d.max_len
     );

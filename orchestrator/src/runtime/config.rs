@@ -21,6 +21,9 @@ pub struct RunConfig {
     pub synthetic_seed: u64,
     pub stage: String,
     pub synthetic_us_per_token: f64,
+    /// The synthetic stage's drafter: microseconds it spends per token trained.
+    #[serde(default)]
+    pub synthetic_drafter_us_per_token: f64,
     pub epochs: u32,
     pub planner: PlannerSettings,
     pub max_restarts: u32,

@@ -121,6 +121,8 @@ pub(super) fn memory_plan(
 pub struct DryRun {
     /// Per worker, `role device` (e.g. `target gpu:0`).
     pub workers: Vec<String>,
+    /// The topology and how it was decided.
+    pub topology: super::topology::Choice,
     pub token_budget: u64,
     pub max_len: u32,
     /// The DFlash stage's plan (`None`: the synthetic stage).
@@ -177,30 +179,20 @@ pub fn dry_run(config: &RunConfig, gpu_memory: Option<u64>) -> Result<DryRun, Ru
         (count, _) => count,
     };
     let options = check_options(config, count)?;
-    let (devices, topology) = (options.devices, options.topology);
-    let workers: Vec<String> = devices
-        .iter()
-        .enumerate()
-        .map(|(i, d)| {
-            let role = if (i as u32) < topology.targets {
-                "target"
-            } else {
-                "drafter"
-            };
-            format!("{role} {d}")
-        })
-        .collect();
-    match (&config.data, config.synthetic) {
-        (Some(dir), _) => {
-            Store::open(dir).map_err(|e| RunError::Invalid(e.to_string()))?;
-        }
-        (None, Some(n)) if n > 0 => {}
+    let devices = options.devices.clone();
+    let lengths = match (&config.data, config.synthetic) {
+        (Some(dir), _) => Store::open(dir)
+            .map_err(|e| RunError::Invalid(e.to_string()))?
+            .lengths(),
+        (None, Some(n)) if n > 0 => crate::workload::synthetic_lengths(n, config.synthetic_seed),
         _ => {
             return Err(RunError::Invalid(
                 "pass --data STORE or --synthetic N".into(),
             ));
         }
-    }
+    };
+    let planner = crate::planner::Planner::new(lengths, options.plan.clone())
+        .map_err(|e| RunError::Invalid(e.to_string()))?;
     let budget = config.planner.token_budget;
     let mut plan = None;
     let mut feature_bytes = None;
@@ -235,6 +227,24 @@ pub fn dry_run(config: &RunConfig, gpu_memory: Option<u64>) -> Result<DryRun, Ru
         feature_bytes = Some(settings.feature_bytes_per_token(&checked));
         target = Some(checked);
     }
+    let choice =
+        super::launch_plan::decide_topology(config, &options, &planner, target.as_ref(), None)?;
+    let topology = choice.topology();
+    if let Err(why) = super::launch_plan::check_drafters(config, topology) {
+        refusals.push(why);
+    }
+    let workers: Vec<String> = devices
+        .iter()
+        .enumerate()
+        .map(|(i, d)| {
+            let role = if (i as u32) < topology.targets {
+                "target"
+            } else {
+                "drafter"
+            };
+            format!("{role} {d}")
+        })
+        .collect();
     let rings = RingPlan::new(topology.targets, topology.drafters, budget, feature_bytes)?;
     let free = shm_free();
     if let Some(free) = free
@@ -267,6 +277,7 @@ pub fn dry_run(config: &RunConfig, gpu_memory: Option<u64>) -> Result<DryRun, Ru
     }
     Ok(DryRun {
         workers,
+        topology: choice,
         token_budget: budget,
         max_len: config.planner.max_len,
         dtype: config.dflash.as_ref().map(|d| d.dtype.to_string()),

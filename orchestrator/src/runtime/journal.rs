@@ -15,6 +15,9 @@ pub enum Entry {
     Run {
         version: u32,
         config: Value,
+        /// The session's topology and how it was decided (`topology::Choice`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        topology: Option<Value>,
     },
     /// An orchestrator (re)started the run.
     Resume {
@@ -22,6 +25,8 @@ pub enum Entry {
         /// Options this session changed (those that may change on resume), with their values.
         #[serde(default, skip_serializing_if = "serde_json::Map::is_empty")]
         changes: serde_json::Map<String, Value>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        topology: Option<Value>,
     },
     Epoch {
         epoch: u32,
@@ -180,6 +185,9 @@ pub struct History {
     /// Batches of each epoch that was started.
     pub epoch_batches: Vec<u64>,
     pub ended: Option<String>,
+    /// The drafters of the last session that recorded its topology (a journal written before
+    /// topologies were recorded has none).
+    pub drafters: Option<u32>,
     /// A last line cut short by a crash was dropped.
     pub torn_tail: bool,
 }
@@ -188,6 +196,17 @@ impl History {
     pub fn total_committed(&self) -> u64 {
         self.committed.iter().sum()
     }
+}
+
+/// The drafters of a recorded topology; an error names what is wrong with it.
+fn drafters_of(topology: Option<&Value>) -> Result<Option<u32>, String> {
+    let Some(t) = topology else { return Ok(None) };
+    t.get("drafters")
+        .and_then(Value::as_u64)
+        .and_then(|d| u32::try_from(d).ok())
+        .filter(|&d| d >= 1)
+        .map(Some)
+        .ok_or_else(|| format!("topology {t} has no drafter count of 1 or more"))
 }
 
 /// Reads a journal. A last line without its newline (a write cut short by a crash) is ignored;
@@ -220,7 +239,12 @@ pub fn read(path: &Path) -> Result<History, JournalError> {
             Err(e) => return Err(corrupt(e.to_string())),
         };
         match entry {
-            Entry::Run { version, config } => {
+            Entry::Run {
+                version,
+                config,
+                topology,
+            } => {
+                history.drafters = drafters_of(topology.as_ref()).map_err(corrupt)?;
                 if version != VERSION {
                     return Err(corrupt(format!(
                         "journal version {version}, this build writes {VERSION}"
@@ -269,7 +293,12 @@ pub fn read(path: &Path) -> Result<History, JournalError> {
                 history.committed[e] = batch;
             }
             Entry::End { status, .. } => history.ended = Some(status),
-            Entry::Resume { .. } => history.ended = None,
+            Entry::Resume { topology, .. } => {
+                history.ended = None;
+                if let Some(d) = drafters_of(topology.as_ref()).map_err(corrupt)? {
+                    history.drafters = Some(d);
+                }
+            }
             Entry::SkippedStep { .. }
             | Entry::WorkerStart { .. }
             | Entry::WorkerExit { .. }
@@ -333,6 +362,7 @@ mod tests {
         let entry = Entry::Resume {
             committed: 3,
             changes: Default::default(),
+            topology: None,
         };
         let first = journal.append(&entry).unwrap_err();
         assert_eq!(first.raw_os_error(), Some(nix::libc::ENOSPC));

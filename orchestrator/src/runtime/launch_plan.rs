@@ -32,6 +32,9 @@ pub struct CheckedOptions {
     pub plan: crate::planner::PlanConfig,
     pub devices: Vec<Device>,
     pub topology: Topology,
+    /// `--topology auto` (or the DFlash stage without `--topology`): `topology` is all but one
+    /// until [`decide_topology`] balances it.
+    pub auto: bool,
 }
 
 /// Checks a run's options alone (no files, no processes); `gpus` is how many GPUs the machine has
@@ -55,55 +58,101 @@ pub fn check_options(
         ));
     }
     let devices = gpu_spec.devices(gpus).map_err(RunError::Invalid)?;
-    let given = config
-        .topology
-        .as_deref()
-        .map(str::parse::<Topology>)
-        .transpose()
-        .map_err(RunError::Invalid)?;
+    let (given, auto) = topology_option(config).map_err(RunError::Invalid)?;
+    // Auto is decided once the plan is made (`decide_topology`); until then, all but one.
     let topology = Topology::resolve(given, devices.len() as u32).map_err(RunError::Invalid)?;
+    check_drafters(config, topology).map_err(RunError::Invalid)?;
+    Ok(CheckedOptions {
+        plan: plan_config,
+        devices,
+        topology,
+        auto,
+    })
+}
+
+/// What the drafters of `topology` need: data-parallel drafters train on the torch engine, and
+/// every drafter of every node needs a micro-batch of each accumulation group.
+pub(super) fn check_drafters(config: &RunConfig, topology: Topology) -> Result<(), String> {
     if let Some(settings) = &config.dflash
         && topology.drafters > 1
     {
         let (t, d) = (topology.targets, topology.drafters);
         if settings.engines.drafter != dflash_common::dflash::Engine::Torch {
-            return Err(RunError::Invalid(format!(
+            return Err(format!(
                 "--topology {t}:{d}: data-parallel drafters train on the torch engine (--engine torch); the candle drafter trains alone (use {}:1)",
                 t + d - 1
-            )));
+            ));
         }
         if config.planner.accum < d {
-            return Err(RunError::Invalid(format!(
+            return Err(format!(
                 "--topology {t}:{d} with --accum {}: each of the {d} drafters needs a micro-batch of every accumulation group; pass --accum {d} or more (--accum counts micro-batches per step in total)",
                 config.planner.accum
-            )));
+            ));
         }
     }
     if let Some(n) = &config.nodes {
-        n.check().map_err(RunError::Invalid)?;
+        n.check()?;
         let torch = config
             .dflash
             .as_ref()
             .is_some_and(|s| s.engines.drafter == dflash_common::dflash::Engine::Torch);
         if !torch {
-            return Err(RunError::Invalid(format!(
+            return Err(format!(
                 "--nodes {}: the drafters of several nodes train together on the torch engine (--stage dflash --engine torch)",
                 n.nodes
-            )));
+            ));
         }
         let world = n.nodes * topology.drafters;
         if config.planner.accum < world {
-            return Err(RunError::Invalid(format!(
+            return Err(format!(
                 "--nodes {} with {} drafters each and --accum {}: each of the {world} drafters needs a micro-batch of every accumulation group; pass --accum {world} or more (--accum counts micro-batches per step in total, over every node)",
                 n.nodes, topology.drafters, config.planner.accum
-            )));
+            ));
         }
     }
-    Ok(CheckedOptions {
-        plan: plan_config,
-        devices,
-        topology,
-    })
+    Ok(())
+}
+
+/// `--topology` as given: (`T:D`, auto). Without it the DFlash stage balances its roles (auto)
+/// and the synthetic stage has all but one as targets.
+pub fn topology_option(config: &RunConfig) -> Result<(Option<Topology>, bool), String> {
+    match config.topology.as_deref().map(str::trim) {
+        Some("auto") => Ok((None, true)),
+        Some(t) => t.parse().map(|t| (Some(t), false)),
+        None => Ok((None, config.dflash.is_some())),
+    }
+}
+
+/// The run's topology: as given, or balanced on what a micro-batch costs each role on the
+/// run's own plan (see [`super::topology`]). `resumed`: the drafters the run trains, on a
+/// resume.
+pub fn decide_topology(
+    config: &RunConfig,
+    options: &CheckedOptions,
+    planner: &Planner,
+    target: Option<&dflash_common::dflash::Qwen3Config>,
+    resumed: Option<u32>,
+) -> Result<super::topology::Choice, RunError> {
+    use super::topology::{Basis, choose, drafter_limit};
+    let (given, _) = topology_option(config).map_err(RunError::Invalid)?;
+    let given = given.map(|_| options.topology);
+    let workers = options.devices.len() as u32;
+    let basis = match (&config.dflash, target) {
+        (Some(settings), Some(target)) => Basis::Dflash { target, settings },
+        _ => Basis::Synthetic {
+            target_us: config.synthetic_us_per_token,
+            drafter_us: config.synthetic_drafter_us_per_token,
+        },
+    };
+    let nodes = config.nodes.as_ref().map_or(1, |n| n.nodes);
+    let limit = drafter_limit(
+        workers,
+        config.dflash.as_ref(),
+        config.planner.accum,
+        nodes,
+        resumed,
+    );
+    choose(&options.devices, given, options.auto, basis, planner, limit).map_err(RunError::Invalid)
 }
 
 /// Joins the run's other nodes (see [`nodes`]): checks that they train the same run and agrees
@@ -176,6 +225,8 @@ pub struct Prepared {
     nvml: Result<&'static nvml_wrapper::Nvml, String>,
     devices: Vec<Device>,
     topology: Topology,
+    /// How the topology was decided (journaled with the session's first line).
+    choice: super::topology::Choice,
     binary: std::path::PathBuf,
     existed: bool,
     start: Start,
@@ -208,7 +259,7 @@ pub fn prepare(config: RunConfig, run_dir_path: &Path, resume: bool) -> Result<P
         preflight = dflash_stage::check_engines(settings, &gpus)?;
     }
     let options = check_options(&config, gpu_count(&nvml))?;
-    let (plan_config, devices, topology) = (options.plan, options.devices, options.topology);
+    let (plan_config, devices) = (options.plan.clone(), options.devices.clone());
     let binary = workers::worker_binary();
     if !binary.is_file() {
         return Err(RunError::Invalid(format!(
@@ -238,7 +289,7 @@ pub fn prepare(config: RunConfig, run_dir_path: &Path, resume: bool) -> Result<P
         }
     }
 
-    let (start, torn_tail) = if resume {
+    let (start, torn_tail, resumed_drafters) = if resume {
         let journaled = resume::read(run_dir_path)?;
         let fixed = journaled.config.weight_settings_differ(&config);
         if !fixed.is_empty() {
@@ -247,18 +298,19 @@ pub fn prepare(config: RunConfig, run_dir_path: &Path, resume: bool) -> Result<P
                 fixed.join(", ")
             )));
         }
-        let before = check_options(&journaled.config, gpu_count(&nvml))
-            .map_or(topology.drafters, |o| o.topology.drafters);
-        if config.dflash.is_some() && before != topology.drafters {
-            return Err(RunError::Invalid(format!(
-                "--resume with {} drafters: the run trains {before} (--topology {}:{before} with these --gpus keeps them). The number of data-parallel drafters decides the order the gradients are summed in, so another number would end with weights an undisturbed run would not have (within float rounding, not the same bits); start a new run to change it",
-                topology.drafters,
-                topology.targets + topology.drafters - before,
-            )));
-        }
-        (journaled.start, journaled.torn_tail)
+        // The drafters the run trains: as its journal recorded them, or (a journal from before
+        // topologies were recorded) as its options resolve.
+        let before = journaled.drafters.unwrap_or_else(|| {
+            check_options(&journaled.config, gpu_count(&nvml))
+                .map_or(options.topology.drafters, |o| o.topology.drafters)
+        });
+        (
+            journaled.start,
+            journaled.torn_tail,
+            config.dflash.is_some().then_some(before),
+        )
     } else {
-        (Start::default(), false)
+        (Start::default(), false, None)
     };
 
     let (mut lengths, mut tokens) = match (&config.data, config.synthetic) {
@@ -315,6 +367,24 @@ pub fn prepare(config: RunConfig, run_dir_path: &Path, resume: bool) -> Result<P
         )
         .map_err(RunError::Invalid)?;
     }
+    let choice = decide_topology(
+        &config,
+        &options,
+        &planner,
+        target_config.as_ref(),
+        resumed_drafters,
+    )?;
+    let topology = choice.topology();
+    if let Some(before) = resumed_drafters
+        && before != topology.drafters
+    {
+        return Err(RunError::Invalid(format!(
+            "--resume with {} drafters: the run trains {before} (--topology {}:{before} with these --gpus keeps them, as does --topology auto). The number of data-parallel drafters decides the order the gradients are summed in, so another number would end with weights an undisturbed run would not have (within float rounding, not the same bits); start a new run to change it",
+            topology.drafters,
+            (topology.targets + topology.drafters).saturating_sub(before),
+        )));
+    }
+    check_drafters(&config, topology).map_err(RunError::Invalid)?;
     let rings = RingPlan::new(
         topology.targets,
         topology.drafters,
@@ -393,6 +463,7 @@ pub fn prepare(config: RunConfig, run_dir_path: &Path, resume: bool) -> Result<P
         nvml,
         devices,
         topology,
+        choice,
         binary,
         existed,
         start,
@@ -502,6 +573,7 @@ pub fn launch(
         nvml,
         devices,
         topology,
+        choice,
         binary,
         existed,
         start,
@@ -586,11 +658,13 @@ pub fn launch(
         .map_err(|e| RunError::Invalid(format!("{}: {e}", journal_path.display())))?;
     let jerr = |e: std::io::Error| RunError::Invalid(format!("journal: {e}"));
     // The journal line is the launch's last step: the run exists once it is written.
+    let recorded = serde_json::to_value(&choice).map_err(|e| RunError::Invalid(e.to_string()))?;
     if resume {
         journal
             .append(&Entry::Resume {
                 committed: start.step_base + start.batch as u64,
                 changes,
+                topology: Some(recorded),
             })
             .map_err(jerr)?;
     } else {
@@ -599,9 +673,16 @@ pub fn launch(
             .append(&Entry::Run {
                 version: journal::VERSION,
                 config: value,
+                topology: Some(recorded),
             })
             .map_err(jerr)?;
     }
+    tracing::info!(
+        targets = topology.targets,
+        drafters = topology.drafters,
+        "topology {}",
+        choice.describe()
+    );
     guard.commit();
     control::serve(listener, to_loop.clone());
 
@@ -653,6 +734,7 @@ pub fn launch(
         feature_ring: features.path().to_path_buf(),
         stage: config.stage.clone(),
         synthetic_us_per_token: config.synthetic_us_per_token,
+        synthetic_drafter_us_per_token: config.synthetic_drafter_us_per_token,
         heartbeat_ms: config.heartbeat_ms,
         log_dir,
         dflash_config: dflash_file,

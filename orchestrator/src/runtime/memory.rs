@@ -739,7 +739,7 @@ pub fn refusal(uses: &[GpuUse]) -> Option<String> {
 pub(crate) mod tests {
     use super::*;
 
-    fn qwen3_8b() -> Qwen3Config {
+    pub(crate) fn qwen3_8b() -> Qwen3Config {
         serde_json::from_value(serde_json::json!({
             "architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "hidden_size": 4096,
             "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,

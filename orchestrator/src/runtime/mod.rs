@@ -27,6 +27,7 @@ pub mod resume;
 pub mod run_lock;
 pub mod spec;
 mod supervisor;
+pub mod topology;
 pub mod torch_engine;
 pub mod workers;
 

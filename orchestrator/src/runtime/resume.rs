@@ -25,6 +25,8 @@ pub(super) struct Journaled {
     pub start: Start,
     /// The last line was cut short by a crash (dropped before anything is appended).
     pub torn_tail: bool,
+    /// The drafters the run trains, as its last recorded topology says.
+    pub drafters: Option<u32>,
 }
 
 /// Reads the journal of the run in `run_dir` (no side effect).
@@ -51,6 +53,7 @@ pub(super) fn read(run_dir_path: &Path) -> Result<Journaled, RunError> {
         config,
         start: start_of(&history),
         torn_tail: history.torn_tail,
+        drafters: history.drafters,
     })
 }
 
@@ -250,6 +253,13 @@ pub const OPTIONS: &[(&str, &[&str], OnResume)] = &[
         "synthetic-us-per-token",
         &["synthetic_us_per_token"],
         Changeable(|run, session| run.synthetic_us_per_token = session.synthetic_us_per_token),
+    ),
+    (
+        "synthetic-drafter-us-per-token",
+        &["synthetic_drafter_us_per_token"],
+        Changeable(|run, session| {
+            run.synthetic_drafter_us_per_token = session.synthetic_drafter_us_per_token;
+        }),
     ),
     (
         "eval-every",
@@ -464,6 +474,7 @@ mod tests {
             synthetic_seed: 0,
             stage: "synthetic".into(),
             synthetic_us_per_token: 0.0,
+            synthetic_drafter_us_per_token: 0.0,
             epochs: 2,
             planner: PlannerSettings::from_config(&Default::default()),
             max_restarts: 5,

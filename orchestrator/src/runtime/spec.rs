@@ -115,7 +115,7 @@ impl std::str::FromStr for Topology {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, String> {
-        let bad = || format!("invalid --topology {s:?}: expected T:D, e.g. 6:1");
+        let bad = || format!("invalid --topology {s:?}: expected T:D (e.g. 6:1) or auto");
         let (t, d) = s.split_once(':').ok_or_else(bad)?;
         let targets: u32 = t.trim().parse().map_err(|_| bad())?;
         let drafters: u32 = d.trim().parse().map_err(|_| bad())?;

@@ -23,6 +23,8 @@ pub struct Launch {
     pub feature_ring: PathBuf,
     pub stage: String,
     pub synthetic_us_per_token: f64,
+    /// The synthetic stage's drafter cost (microseconds a token).
+    pub synthetic_drafter_us_per_token: f64,
     pub heartbeat_ms: u64,
     pub log_dir: PathBuf,
     /// The DFlash settings file (`--stage dflash`).
@@ -334,7 +336,13 @@ pub fn spawn(
         ])
         .args(["--stage", &launch.stage])
         .arg("--synthetic-us-per-token")
-        .arg(launch.synthetic_us_per_token.to_string())
+        .arg(
+            match role {
+                Role::Target => launch.synthetic_us_per_token,
+                Role::Drafter => launch.synthetic_drafter_us_per_token,
+            }
+            .to_string(),
+        )
         .arg("--input-ring")
         .arg(&launch.input_ring)
         .arg("--feature-ring")
