@@ -28,6 +28,10 @@ Started by scripts/gpu-check (which see for the usage). Steps, each recorded in 
                 engines (dflash-worker --drafter-bench, python -m dflash_orch.bench_step; the
                 torch drafter's batched step and its legacy per-sequence path): tokens/s and MFU
                 beside the accounting benchmark's projection (--cpu: a tiny shape)
+  topology      --topology auto against this GPU: the split of 8 GPUs that the pytorch step's
+                measured target and drafter costs balance, beside the one auto picks from its
+                FLOP model (launch --dry-run, same model, settings and batch shape), and the
+                measured rate of auto's split as a share of the measured best
 
 Progress goes to stderr; the summary, one JSON object, to stdout at the end.
 Exit codes: 0 every step passed, 1 a step failed, 2 bad usage.
@@ -878,6 +882,65 @@ def step_pytorch(ctx):
     return res
 
 
+def balanced(workers, target_s, drafter_s, most):
+    """The T:D of `workers` that moves the most micro-batches a second, the fewest drafters among
+    equals (what `--topology auto` does with its own costs), and that rate."""
+    def rate(t, d):
+        return min(t / target_s, d / drafter_s)
+    best = (workers - 1, 1)
+    for d in range(2, min(most, workers - 1) + 1):
+        if rate(workers - d, d) > rate(*best) * (1 + 1e-9):
+            best = (workers - d, d)
+    return best, rate(*best)
+
+
+def step_topology(ctx, workers=8):
+    """`--topology auto` against the GPU: the `pytorch` step measured one target forward and one
+    drafter step of the same micro-batch on this GPU; the split of `workers` GPUs those measured
+    costs balance is set beside the one auto picks from its FLOP model (`launch --dry-run`, the
+    same model, settings and batch shape), with the measured rate of auto's split as a share of
+    the measured best."""
+    if "pytorch" in ctx.args.skip:
+        return {"skipped": "the pytorch step was skipped (--skip): no measured costs"}
+    p = ctx.results.get("pytorch") or {}
+    tm, dm = p.get("target_forward_s"), p.get("train_step_s")
+    if not tm or not dm:
+        raise StepFailed("no measured costs (the pytorch step did not run)")
+    ref = ctx.references.get(None)
+    d = (journal_config(ref.dir).get("dflash") if ref is not None else None) or fallback_drafter_settings(ctx)
+    gpu = "cpu:1" if ctx.cpu else ctx.pair.split(",")[0]
+    gpus = f"cpu:{workers}" if ctx.cpu else ",".join([gpu] * workers)
+    cmd = [ctx.orch, "launch", "--dry-run", "--json", "--stage", "dflash", "--engine", "torch",
+           "--python", ctx.args.python, "--target-model", ctx.model, "--gpus", gpus, "--topology", "auto",
+           "--synthetic", str(ctx.args.samples), "--max-len", str(p["seq"]),
+           "--token-budget", str(p["tokens_per_batch"]), "--accum", str(workers - 1),
+           "--draft-layers", str(d["draft_layers"]), "--block-size", str(d["block_size"]),
+           "--num-anchors", str(d["num_anchors"]),
+           "--target-layer-ids", ",".join(map(str, d["target_layer_ids"])),
+           "--run-dir", os.path.join(ctx.work, "topology-dry-run"), "--gpu-memory", "141"]
+    if ctx.dtype_flags:
+        cmd += ["--dtype", ctx.dtype, "--feature-dtype", ctx.dtype]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=ctx.remaining(120), env=ctx.env)
+    try:
+        auto = json.loads(out.stdout)["topology"]
+    except (ValueError, KeyError, TypeError):
+        raise StepFailed(f"launch --dry-run exited {out.returncode}: {out.stderr.strip()[-800:]}") from None
+    (mt, md), best_rate = balanced(workers, tm, dm, workers - 1)
+    res = {"workers": workers, "batch": f"{p['batch']} x {p['seq']} tokens",
+           "measured": {"target_s": tm, "drafter_s": dm, "drafter_over_target": round(dm / tm, 3),
+                        "balanced": f"{mt}:{md}"},
+           "auto": {"choice": f"{auto['targets']}:{auto['drafters']}", "reason": auto.get("reason"),
+                    "costs": auto.get("costs")}}
+    costs = auto.get("costs") or {}
+    if costs.get("target_s") and costs.get("drafter_s"):
+        res["auto"]["drafter_over_target"] = round(costs["drafter_s"] / costs["target_s"], 3)
+    # What auto's split moves at the measured costs, against the measured best.
+    t, dr = auto["targets"], auto["drafters"]
+    res["auto_share_of_best"] = round(min(t / tm, dr / dm) / best_rate, 3)
+    res["all_but_one_share_of_best"] = round(min((workers - 1) / tm, 1 / dm) / best_rate, 3)
+    return res
+
+
 # ---------------------------------------------------------------------------------------------
 # One drafter training step at the seeds' shape, on both engines.
 
@@ -1219,7 +1282,7 @@ def main():
                     help="timed drafter steps at the seeds' shape, after one untimed [default: 2]")
     ap.add_argument("--skip", action="append", default=[],
                     choices=["environment", "nvml", "serve", "crash_resume", "pytorch", "torch_dflash",
-                             "torch_crash_resume", "drafter_step"],
+                             "torch_crash_resume", "drafter_step", "topology"],
                     help="leave a step out (repeatable)")
     args = ap.parse_args()
     args.samples = args.samples or (192 if args.cpu else 256)
@@ -1260,7 +1323,7 @@ def main():
              ("crash_resume", step_crash_resume), ("pytorch", step_pytorch),
              ("torch_dflash", lambda c: step_dflash(c, "torch")),
              ("torch_crash_resume", lambda c: step_crash_resume(c, "torch")),
-             ("drafter_step", step_drafter_step)]
+             ("drafter_step", step_drafter_step), ("topology", step_topology)]
     for name, fn in steps:
         if name in args.skip:
             ctx.results[name] = {"ok": True, "skipped": "--skip"}
@@ -1295,6 +1358,7 @@ def main():
         "seeds_drafter_step": {e: {k: (ctx.results.get("drafter_step", {}).get(e) or {}).get(k)
                                    for k in ("tokens_per_s", "mfu", "anchor_chunk")} for e in ("candle", "torch")},
         "served": ctx.results.get("serve", {}).get("eval"),
+        "topology": {k: ctx.results.get("topology", {}).get(k) for k in ("auto", "measured", "auto_share_of_best")},
     }
     summary["elapsed_s"] = round(time.monotonic() - T0, 1)
     text = json.dumps(summary, indent=1, default=str)

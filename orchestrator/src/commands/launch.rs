@@ -145,9 +145,10 @@ pub struct LaunchArgs {
     /// option given again must have the journal's value, except those that may change on resume:
     /// --gpus and --topology (the number of target workers, not of drafters), --metrics-addr,
     /// --job-timeout, --stop-grace, --heartbeat-timeout, --monitor-interval, --max-restarts,
-    /// --restart-window, --synthetic-us-per-token, --on-nonfinite, --eval-every,
-    /// --eval-max-new-tokens, --eval-prompts (another file, not in place of held-out
-    /// samples) and --python (the engines stay). The journal's resume line records every change.
+    /// --restart-window, --synthetic-us-per-token, --synthetic-drafter-us-per-token,
+    /// --on-nonfinite, --eval-every, --eval-max-new-tokens, --eval-prompts (another file, not
+    /// in place of held-out samples) and --python (the engines stay). The journal's resume line
+    /// records every change.
     #[arg(long)]
     pub resume: bool,
 
