@@ -1209,7 +1209,7 @@ fn qwen3_dflash2_end_to_end_on_torch_and_the_official_package_agrees() {
     official_agrees(dir.path(), &target, &demo);
     // The selector's sampled walk, verified by rejection sampling over its candidates, is
     // distributed as the target's own sampling. (This target's distribution is nearly flat at
-    // temperature 1, too spread for 2,000 draws to test; at 0.1 it is not.)
+    // temperature 1, too spread for 1,000 draws to test; at 0.1 it is not.)
     let prompts: Value = serde_json::from_str(
         fs::read_to_string(dir.path().join("prompts.jsonl"))
             .unwrap()
