@@ -882,16 +882,19 @@ def step_pytorch(ctx):
     return res
 
 
-def balanced(workers, target_s, drafter_s, most):
+def split_rate(t, d, target_s, drafter_s):
+    """Micro-batches a second with `t` targets and `d` drafters at these costs."""
+    return min(t / target_s, d / drafter_s)
+
+
+def balanced(workers, target_s, drafter_s):
     """The T:D of `workers` that moves the most micro-batches a second, the fewest drafters among
     equals (what `--topology auto` does with its own costs), and that rate."""
-    def rate(t, d):
-        return min(t / target_s, d / drafter_s)
     best = (workers - 1, 1)
-    for d in range(2, min(most, workers - 1) + 1):
-        if rate(workers - d, d) > rate(*best) * (1 + 1e-9):
+    for d in range(2, workers):
+        if split_rate(workers - d, d, target_s, drafter_s) > split_rate(*best, target_s, drafter_s) * (1 + 1e-9):
             best = (workers - d, d)
-    return best, rate(*best)
+    return best, split_rate(*best, target_s, drafter_s)
 
 
 def step_topology(ctx, workers=8):
@@ -908,8 +911,7 @@ def step_topology(ctx, workers=8):
         raise StepFailed("no measured costs (the pytorch step did not run)")
     ref = ctx.references.get(None)
     d = (journal_config(ref.dir).get("dflash") if ref is not None else None) or fallback_drafter_settings(ctx)
-    gpu = "cpu:1" if ctx.cpu else ctx.pair.split(",")[0]
-    gpus = f"cpu:{workers}" if ctx.cpu else ",".join([gpu] * workers)
+    gpus = f"cpu:{workers}" if ctx.cpu else ",".join([ctx.pair.split(",")[0]] * workers)
     cmd = [ctx.orch, "launch", "--dry-run", "--json", "--stage", "dflash", "--engine", "torch",
            "--python", ctx.args.python, "--target-model", ctx.model, "--gpus", gpus, "--topology", "auto",
            "--synthetic", str(ctx.args.samples), "--max-len", str(p["seq"]),
@@ -925,7 +927,7 @@ def step_topology(ctx, workers=8):
         auto = json.loads(out.stdout)["topology"]
     except (ValueError, KeyError, TypeError):
         raise StepFailed(f"launch --dry-run exited {out.returncode}: {out.stderr.strip()[-800:]}") from None
-    (mt, md), best_rate = balanced(workers, tm, dm, workers - 1)
+    (mt, md), best_rate = balanced(workers, tm, dm)
     res = {"workers": workers, "batch": f"{p['batch']} x {p['seq']} tokens",
            "measured": {"target_s": tm, "drafter_s": dm, "drafter_over_target": round(dm / tm, 3),
                         "balanced": f"{mt}:{md}"},
@@ -935,9 +937,8 @@ def step_topology(ctx, workers=8):
     if costs.get("target_s") and costs.get("drafter_s"):
         res["auto"]["drafter_over_target"] = round(costs["drafter_s"] / costs["target_s"], 3)
     # What auto's split moves at the measured costs, against the measured best.
-    t, dr = auto["targets"], auto["drafters"]
-    res["auto_share_of_best"] = round(min(t / tm, dr / dm) / best_rate, 3)
-    res["all_but_one_share_of_best"] = round(min((workers - 1) / tm, 1 / dm) / best_rate, 3)
+    res["auto_share_of_best"] = round(split_rate(auto["targets"], auto["drafters"], tm, dm) / best_rate, 3)
+    res["all_but_one_share_of_best"] = round(split_rate(workers - 1, 1, tm, dm) / best_rate, 3)
     return res
 
 
