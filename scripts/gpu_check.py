@@ -988,7 +988,8 @@ def step_flops(req):
 
 
 def planned_chunk(ctx, engine, req):
-    """The anchor chunk `launch --anchor-chunk auto` picks for this shape and engine (from a dry run)."""
+    """The anchor chunk `launch --anchor-chunk auto` picks for this shape and engine (from a dry run):
+    on a GPU from its own memory (NVML), as a launch on it would."""
     model = os.path.join(ctx.work, "seeds-shape")
     os.makedirs(model, exist_ok=True)
     with open(os.path.join(model, "config.json"), "w") as f:
@@ -996,7 +997,7 @@ def planned_chunk(ctx, engine, req):
     gpus = "cpu:2" if ctx.cpu else ctx.pair.split(",")[0] + "," + ctx.pair.split(",")[0]
     cmd = [ctx.orch, "launch", "--dry-run", "--json", "--stage", "dflash", "--synthetic", "10",
            "--target-model", model, "--run-dir", os.path.join(ctx.work, "seeds-dry-run"), "--gpus", gpus,
-           "--topology", "1:1", "--gpu-memory", "141", "--max-len", str(req["seq_len"]),
+           "--topology", "1:1", *(["--gpu-memory", "141"] if ctx.cpu else []), "--max-len", str(req["seq_len"]),
            "--token-budget", str(req["sequences"] * req["seq_len"]), "--draft-layers", str(req["draft_layers"]),
            "--num-anchors", str(req["num_anchors"]), "--block-size", str(req["block_size"]),
            "--target-layer-ids", ",".join(map(str, req["target_layer_ids"])), "--dtype", req["dtype"],

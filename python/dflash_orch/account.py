@@ -536,6 +536,42 @@ def table(results, title):
     return "\n".join(out)
 
 
+# The chunks the paths are counted at by default: the legacy path at the chunk `launch
+# --anchor-chunk auto` picked for the torch drafter at these settings on an H200 before it sized
+# chunks from the GPU's memory (one chunk's activations aimed at 12 GiB, a dense mask counted),
+# the batched path at the one it picks now (`launch --dry-run --gpu-memory 141 --max-len 8192`).
+DEFAULT_CHUNKS = "legacy=188,batched=3222"
+
+
+def parse_chunks(text, paths):
+    """`N` (every path) or `PATH=N,...` (every path in `paths` named once) -> {path: N}."""
+    if "=" not in text:
+        n = _positive(text)
+        return {p: n for p in paths}
+    chunks = {}
+    for part in text.split(","):
+        path, _, n = part.partition("=")
+        if path not in ("legacy", "batched"):
+            raise ValueError(f"{path!r} is not a step path (legacy, batched)")
+        if path in chunks:
+            raise ValueError(f"{path} is given twice")
+        chunks[path] = _positive(n)
+    missing = [p for p in paths if p not in chunks]
+    if missing:
+        raise ValueError(f"no chunk for {', '.join(missing)}")
+    return chunks
+
+
+def _positive(text):
+    try:
+        n = int(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a count") from None
+    if n < 1:
+        raise ValueError(f"{n} is not a positive count")
+    return n
+
+
 def main(argv):
     parser = argparse.ArgumentParser(
         prog="bench-step-account", description=__doc__.split("\n\n")[0],
@@ -545,10 +581,13 @@ def main(argv):
                              "8192,2048; each divides the budget 49,152 into equal sequences)")
     parser.add_argument("--paths", default="legacy,batched",
                         help="drafter step paths to count, comma-separated (legacy, batched)")
-    parser.add_argument("--anchor-chunk", type=int, default=188,
-                        help="anchors computed at once (default 188: what `launch --anchor-chunk "
-                             "auto` picks for the torch drafter at these settings on an H200; "
-                             "3072 runs an 8,192-token micro-batch's 6 x 512 in one pass)")
+    parser.add_argument("--anchor-chunk", default=DEFAULT_CHUNKS,
+                        help="anchors computed at once: N for every path, or PATH=N,... "
+                             f"(default {DEFAULT_CHUNKS}: what `launch --anchor-chunk auto` "
+                             "picked for the torch drafter at these settings on an H200 before "
+                             "it sized chunks from the GPU's memory, and what it picks now: an "
+                             "8,192-token micro-batch's 6 x 512 anchors in one pass, a "
+                             "2,048-token one's in 4 chunks of 6 sequences)")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     args = parser.parse_args(argv)
     try:
@@ -559,17 +598,19 @@ def main(argv):
         if not ANCHORS + 16 <= n <= BUDGET:
             parser.error(f"--seq-lens: {n} is outside {ANCHORS + 16}..{BUDGET} (512 anchors "
                          "need room, a sequence fits the budget)")
-    if args.anchor_chunk is not None and args.anchor_chunk < 1:
-        parser.error(f"--anchor-chunk: {args.anchor_chunk} is not a positive count")
     paths = args.paths.split(",")
     for p in paths:
         if p not in ("legacy", "batched"):
             parser.error(f"--paths: {p!r} is not a step path (legacy, batched)")
+    try:
+        chunks = parse_chunks(args.anchor_chunk, paths)
+    except ValueError as e:
+        parser.error(f"--anchor-chunk {args.anchor_chunk!r}: {e}")
     results, targets, topologies = {}, {}, {}
     for n in lens:
         for p in paths:
             print(f"bench-step-account: drafter, {p}, sequences of {n}", file=sys.stderr)
-            results[f"{p} {n}"] = account_drafter(p, n, args.anchor_chunk)
+            results[f"{p} {n}"] = account_drafter(p, n, chunks[p])
         print(f"bench-step-account: target, sequences of about {n}", file=sys.stderr)
         targets[f"target {n}"] = account_target(n)
         for p in paths:

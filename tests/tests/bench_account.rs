@@ -54,7 +54,20 @@ fn the_batched_step_executes_what_it_needs_with_two_host_syncs() {
 #[test]
 fn bad_options_are_refused_with_exit_2_naming_them() {
     for (args, needle) in [
-        (&["--anchor-chunk", "0"][..], "--anchor-chunk: 0"),
+        (&["--anchor-chunk", "0"][..], "--anchor-chunk '0': 0 is not"),
+        (&["--anchor-chunk", "batched=x"][..], "'x' is not a count"),
+        (
+            &["--anchor-chunk", "fast=3"][..],
+            "'fast' is not a step path",
+        ),
+        (
+            &["--anchor-chunk", "legacy=188"][..],
+            "no chunk for batched",
+        ),
+        (
+            &["--anchor-chunk", "batched=1,batched=2"][..],
+            "batched is given twice",
+        ),
         (&["--seq-lens", "12"][..], "--seq-lens: 12"),
         (&["--seq-lens", "eight"][..], "--seq-lens 'eight'"),
         (&["--seq-lens", "99999"][..], "--seq-lens: 99999"),

@@ -163,6 +163,52 @@ fn the_plan_is_linear_in_the_budget_and_follows_the_dtypes() {
     assert_eq!(small["gpus"].as_array().unwrap().len(), 8);
 }
 
+/// `--anchor-chunk auto` for the torch drafter on GPUs of given memory, at the seeds' settings:
+/// chunks only where memory demands them. An H200 (141 GiB) runs an 8,192-token micro-batch's
+/// 6 x 512 anchors in one pass, an 80 GiB GPU fewer at once; each drafter fits its GPU, and an
+/// explicit count is kept as given.
+#[test]
+fn the_torch_drafters_chunk_follows_the_gpus_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = qwen3_8b(dir.path());
+    let run_dir = dir.path().join("run");
+    let python = dflash_e2e::test_python();
+    let at = |memory: &str, extra: &[&str]| {
+        let mut args = vec![
+            "--gpus",
+            "0-7",
+            "--gpu-memory",
+            memory,
+            "--token-budget",
+            "49152",
+            "--max-len",
+            "8192",
+            "--num-anchors",
+            "512",
+            "--draft-layers",
+            "5",
+            "--engine",
+            "torch",
+            "--python",
+            python.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        plan_json(&target, &run_dir, &args)
+    };
+    let chunk = |v: &Value| v["plan"]["anchor_chunk"].as_u64().expect("a chunk");
+    let (h200, h100) = (at("141", &[]), at("80", &[]));
+    assert!(chunk(&h200) >= 6 * 512, "{}", h200["plan"]);
+    assert!((512..6 * 512).contains(&chunk(&h100)), "{}", h100["plan"]);
+    for (v, memory) in [(&h200, 141u64), (&h100, 80)] {
+        for g in v["gpus"].as_array().unwrap() {
+            assert!(g["need"].as_u64().unwrap() <= memory << 30, "{g}");
+        }
+        let refusals = v["refusals"].to_string();
+        assert!(!refusals.contains("GPUs' memory"), "{refusals}");
+    }
+    assert_eq!(chunk(&at("141", &["--anchor-chunk", "188"])), 188);
+}
+
 /// Two workers on one small GPU: refused, naming the GPU and the options to change; a launch
 /// with a CPU-only worker binary on GPUs is refused too.
 #[test]

@@ -77,6 +77,9 @@ fn demo_summary(mut started: Started, run: &Path, loss: &str) -> Value {
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
+/// Held-out prompts decoded sampled by both sides.
+const SAMPLED_PROMPTS: usize = 4;
+
 #[test]
 fn the_official_package_loads_our_checkpoint_and_decodes_as_eval_does() {
     let dir = tempfile::tempdir().unwrap();
@@ -154,7 +157,11 @@ fn the_official_package_loads_our_checkpoint_and_decodes_as_eval_does() {
     }
 
     // Sampling. The torch engine draws in the official package's order: with the same seed its
-    // sampled decode is the official one, token for token, and so is τ.
+    // sampled decode is the official one, token for token, and so is τ. On the first prompts
+    // (each draws from its own stream, as in a decode of them all): at temperature 1 every
+    // prompt is tens of verify steps.
+    let prompts = dir.path().join("sampled-prompts.jsonl");
+    std::fs::write(&prompts, rows[..SAMPLED_PROMPTS].join("\n") + "\n").unwrap();
     let python = official_python();
     let torch = ["--engine", "torch", "--python", python.to_str().unwrap()];
     let sample = ["--temperature", "1", "--top-p", "0.95", "--seed", "7"];
@@ -195,13 +202,15 @@ fn the_official_package_loads_our_checkpoint_and_decodes_as_eval_does() {
         String::from_utf8_lossy(&official.stderr)
     );
     let theirs: Value = serde_json::from_slice(&official.stdout).unwrap();
-    for (i, (o, t)) in ours["per_prompt"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .zip(theirs["prompts"].as_array().unwrap())
-        .enumerate()
-    {
+    let (sampled, their_sampled) = (
+        ours["per_prompt"].as_array().unwrap(),
+        theirs["prompts"].as_array().unwrap(),
+    );
+    assert_eq!(
+        (sampled.len(), their_sampled.len()),
+        (SAMPLED_PROMPTS, SAMPLED_PROMPTS)
+    );
+    for (i, (o, t)) in sampled.iter().zip(their_sampled).enumerate() {
         assert_eq!(
             o["output_ids"], t["output_ids"],
             "prompt {i}: sampled outputs differ"

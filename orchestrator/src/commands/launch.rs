@@ -8,6 +8,7 @@ use clap::Args;
 use super::plan::{PlannerFlags, config_from_args as plan_config_from_args};
 use crate::error::CliError;
 use crate::options;
+use crate::runtime::memory::ChunkDevice;
 use crate::runtime::torch_engine;
 use crate::runtime::{self, Outcome, PlannerSettings, RunConfig, RunError};
 use dflash_common::dflash::{DflashSettings, Engine, Engines};
@@ -384,8 +385,16 @@ impl DflashFlags {
     }
 
     /// The settings, with defaults that depend on the target filled in from its config.json and
-    /// on the workers' devices (`gpu`: GPU workers) and the longest sequence (`max_len`).
-    pub fn settings(&self, seed: u64, gpu: bool, max_len: u32) -> Result<DflashSettings, CliError> {
+    /// on the workers' devices (`device`: CPUs, or GPUs with the smallest one's memory), the
+    /// longest sequence (`max_len`) and the micro-batch's tokens (`budget`).
+    pub fn settings(
+        &self,
+        seed: u64,
+        device: ChunkDevice,
+        max_len: u32,
+        budget: u64,
+    ) -> Result<DflashSettings, CliError> {
+        let gpu = device != ChunkDevice::Cpu;
         let dir = self
             .target_model
             .clone()
@@ -469,9 +478,9 @@ impl DflashFlags {
                 options::CountOrAuto::Count(n) => {
                     Some(n as usize).filter(|&n| n < settings.num_anchors)
                 }
-                options::CountOrAuto::Auto => {
-                    crate::runtime::memory::auto_anchor_chunk(&target, &settings, max_len, gpu)
-                }
+                options::CountOrAuto::Auto => crate::runtime::memory::auto_anchor_chunk(
+                    &target, &settings, max_len, budget, device,
+                ),
             };
             settings
         })
@@ -529,8 +538,14 @@ pub fn config_from_args(
                     .and_then(|s| s.dflash.as_ref())
                     .map(|d| d.target_model.clone());
             }
-            let gpu = !gpus.trim().starts_with("cpu:");
-            let mut settings = flags.settings(plan.seed, gpu, plan.max_len)?;
+            let device = if gpus.trim().starts_with("cpu:") {
+                ChunkDevice::Cpu
+            } else {
+                let given = args.gpu_memory.map(|g| (g * f64::from(1u32 << 30)) as u64);
+                ChunkDevice::Gpu(crate::runtime::dry_run::smallest_gpu_memory(&gpus, given))
+            };
+            let mut settings =
+                flags.settings(plan.seed, device, plan.max_len, plan.token_budget)?;
             // On resume, auto means the run's own engines.
             if let (options::EngineChoice::Auto, Some(run)) =
                 (flags.engine, stored.and_then(|s| s.dflash.as_ref()))

@@ -76,6 +76,27 @@ impl RingPlan {
     }
 }
 
+/// The memory of the smallest GPU `gpus` (`--gpus` as written) names: `given` (`--gpu-memory`,
+/// which stands for every GPU's) where given, else NVML's; `None` for CPU workers, or where
+/// neither can tell.
+pub fn smallest_gpu_memory(gpus: &str, given: Option<u64>) -> Option<u64> {
+    let ids = match gpus.parse::<spec::GpuSpec>().ok()? {
+        spec::GpuSpec::Cpu(_) => return None,
+        _ if given.is_some() => return given,
+        spec::GpuSpec::Ids(ids) => ids,
+        spec::GpuSpec::All => {
+            let nvml = init_nvml();
+            (0..gpu_count(&nvml).ok()?).collect()
+        }
+    };
+    let nvml = init_nvml();
+    ids.iter()
+        .map(|&g| gpu_total(&nvml, g))
+        .collect::<Option<Vec<u64>>>()?
+        .into_iter()
+        .min()
+}
+
 /// A GPU's memory, from NVML.
 pub(super) fn gpu_total(
     nvml: &Result<&'static nvml_wrapper::Nvml, String>,
@@ -97,10 +118,12 @@ pub(super) fn memory_plan(
     let params = (settings.engines.target == dflash_common::dflash::Engine::Torch)
         .then(|| super::memory::weight_elements(&settings.target_model))
         .flatten();
+    let gpu = !config.gpus.trim().starts_with("cpu:");
     let mut plan = super::memory::plan(
         target,
         settings,
         settings.engines,
+        gpu,
         params,
         planner.token_budget,
         u64::from(planner.max_len),

@@ -14,8 +14,13 @@ use serde::Serialize;
 
 use dflash_common::dflash::{DflashSettings, DrafterArch, Engine, Engines, Qwen3Config};
 
-/// The bytes of one chunk's activations that `--anchor-chunk auto` aims at, on a GPU.
+/// The bytes of one chunk's activations that `--anchor-chunk auto` aims at, on a GPU whose
+/// memory is not known (and for candle's drafter on any GPU).
 pub const GPU_CHUNK_BYTES: u64 = 12 << 30;
+/// The share of a GPU's memory the torch drafter's whole plan may fill when `--anchor-chunk
+/// auto` sizes its chunk from that memory: the rest is headroom for the allocator's
+/// fragmentation and what the plan's constants miss.
+pub const GPU_FILL: f64 = 0.9;
 /// The same on a CPU worker.
 pub const CPU_CHUNK_BYTES: u64 = 1 << 30;
 
@@ -251,46 +256,87 @@ fn logit_copies(s: &DflashSettings) -> f64 {
     LOGIT_COPIES + if s.distill().is_some() { 2.0 } else { 0.0 }
 }
 
-/// The anchor chunk `--anchor-chunk auto` picks: as many anchors as keep one chunk's activations
-/// within [`GPU_CHUNK_BYTES`] (or [`CPU_CHUNK_BYTES`]) at `max_len`; `None` when all the anchors
-/// fit at once.
+/// Where a drafter computes, as `--anchor-chunk auto` sizes its chunk.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ChunkDevice {
+    Cpu,
+    /// A GPU, with its memory in bytes where NVML or `--gpu-memory` tells it.
+    Gpu(Option<u64>),
+}
+
+/// The anchor chunk `--anchor-chunk auto` picks for micro-batches of at most `budget` tokens in
+/// sequences of at most `max_len`:
+/// - the torch drafter on a GPU of known memory: the most anchors whose whole plan
+///   ([`torch_drafter_worker`], its CUDA context included) fills at most [`GPU_FILL`] of it, so
+///   chunks come only where memory demands them (at the seeds' settings an H200 runs an
+///   8,192-token micro-batch's 3,072 anchors in one pass); a chunk may hold several sequences;
+/// - otherwise as many anchors as keep one chunk's activations within [`GPU_CHUNK_BYTES`] (or
+///   [`CPU_CHUNK_BYTES`]), within one sequence for candle.
+///
+/// `None` when every sequence's anchors fit at once (candle).
 pub fn auto_anchor_chunk(
     target: &Qwen3Config,
     s: &DflashSettings,
     max_len: u32,
-    gpu: bool,
+    budget: u64,
+    device: ChunkDevice,
 ) -> Option<usize> {
-    let limit = if gpu {
-        GPU_CHUNK_BYTES
-    } else {
-        CPU_CHUNK_BYTES
+    let limit = match device {
+        ChunkDevice::Gpu(_) => GPU_CHUNK_BYTES,
+        ChunkDevice::Cpu => CPU_CHUNK_BYTES,
     } as f64;
-    let chunk = match s.engines.drafter {
+    let flex = device != ChunkDevice::Cpu;
+    match s.engines.drafter {
         Engine::Candle => {
             let (scores, other) = chunk_bytes(target, s, 1.0, f64::from(max_len));
-            limit / (scores + other).max(1.0)
+            let chunk = (limit / (scores + other).max(1.0)).max(1.0) as usize;
+            (chunk < s.num_anchors).then_some(chunk)
         }
-        // Not linear in the chunk (its block mask is `[chunk × block]²`, its loss's logits are
-        // capped at TORCH_LOSS_ROWS): the most anchors within the limit, by bisection.
+        // Not linear in the chunk (its keys span the sequences it holds, its loss's logits are
+        // capped at TORCH_LOSS_ROWS): the most anchors that fit, by bisection, up to one per
+        // token of the micro-batch.
         Engine::Torch => {
-            let fits = |n: usize| {
-                let (a, b) = torch_chunk_bytes(target, s, n as f64, f64::from(max_len));
+            let most = usize::try_from(budget)
+                .unwrap_or(usize::MAX)
+                .max(s.num_anchors)
+                .max(1);
+            let within_chunk_limit = |n: usize| {
+                let context = (n.div_ceil(s.num_anchors.max(1)) as f64 * f64::from(max_len))
+                    .min((budget as f64).max(f64::from(max_len)));
+                let (a, b) = torch_chunk_bytes(target, s, n as f64, context, flex);
                 a + b <= limit
             };
-            let (mut lo, mut hi) = (1usize, s.num_anchors.max(1));
-            while lo < hi {
-                let mid = lo + (hi - lo).div_ceil(2);
-                if fits(mid) {
-                    lo = mid;
-                } else {
-                    hi = mid - 1;
+            if let ChunkDevice::Gpu(Some(memory)) = device {
+                let mut sized = s.clone();
+                let mut fills = |n: usize| {
+                    sized.anchor_chunk = Some(n);
+                    let plan =
+                        torch_drafter_worker(target, &sized, budget, u64::from(max_len), true);
+                    plan.total.saturating_add(TORCH_CUDA_CONTEXT) as f64 <= memory as f64 * GPU_FILL
+                };
+                // Where not even one anchor fits, the launch refuses the run, naming the GPU.
+                if fills(1) {
+                    return Some(most_that(most, &mut fills));
                 }
             }
-            lo as f64
+            let mut within = within_chunk_limit;
+            Some(most_that(most, &mut within))
         }
-    };
-    let chunk = chunk.max(1.0) as usize;
-    (chunk < s.num_anchors).then_some(chunk)
+    }
+}
+
+/// The largest `n` in `1..=most` for which `fits(n)` holds, `fits` being monotone (1 when none).
+fn most_that(most: usize, fits: &mut impl FnMut(usize) -> bool) -> usize {
+    let (mut lo, mut hi) = (1usize, most.max(1));
+    while lo < hi {
+        let mid = lo + (hi - lo).div_ceil(2);
+        if fits(mid) {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    lo
 }
 
 /// The drafter worker, with batches of at most `budget` tokens and sequences of at most
@@ -390,6 +436,7 @@ pub fn torch_drafter_worker(
     s: &DflashSettings,
     budget: u64,
     max_len: u64,
+    flex: bool,
 ) -> WorkerPlan {
     let sh = Shape::of(target);
     let e = s.dtype.bytes() as f64;
@@ -418,6 +465,7 @@ pub fn torch_drafter_worker(
         s,
         chunk,
         (sequences * max_len).min(budget.max(max_len)),
+        flex,
     );
     let conversion = if s.feature_dtype == s.dtype { 0.0 } else { e };
     let context = budget
@@ -442,14 +490,16 @@ pub fn torch_drafter_worker(
 }
 
 /// Bytes of one chunk of `chunk` anchors in the torch drafter, with `context` positions seen:
-/// (attention: the block mask, bool and as the kernel's bias in the compute dtype on a GPU, and
-/// per layer the keys and values the blocks attend to; the rest: the blocks' activations and one
-/// piece of the loss's logits).
+/// (attention: the block mask, and per layer the keys and values the blocks attend to; the rest:
+/// the blocks' activations and one piece of the loss's logits). With `flex` (a GPU) the mask is
+/// a `BlockMask`, four int32 tables of 128 x 128 tiles; elsewhere SDPA's dense mask, bool and
+/// as the kernel's bias in the compute dtype.
 fn torch_chunk_bytes(
     target: &Qwen3Config,
     s: &DflashSettings,
     chunk: f64,
     context: f64,
+    flex: bool,
 ) -> (f64, f64) {
     let sh = Shape::of(target);
     let e = s.dtype.bytes() as f64;
@@ -457,7 +507,12 @@ fn torch_chunk_bytes(
     let tokens = chunk * s.block_size as f64;
     let keys = context + tokens;
     let kv = sh.kv_heads * sh.head_dim;
-    let attention = tokens * keys * (1.0 + e) + layers * 2.0 * keys * kv * e;
+    let mask = if flex {
+        4.0 * 4.0 * (tokens / 128.0).ceil() * (keys / 128.0).ceil()
+    } else {
+        tokens * keys * (1.0 + e)
+    };
+    let attention = mask + layers * 2.0 * keys * kv * e;
     let rows = tokens.min(TORCH_LOSS_ROWS);
     let mut blocks = layers
         * tokens
@@ -548,12 +603,14 @@ pub struct MemoryPlan {
 
 /// The plan, with rings of `shm_bytes` in all, `feature_ring` of them the feature ring and
 /// `input_ring` the input ring, for workers on `engines`; `target_params`: the elements of the
-/// target's weight files (what a torch target loads), where they could be read.
+/// target's weight files (what a torch target loads), where they could be read; `gpu`: the
+/// drafter computes on a GPU (flex attention for the torch drafter).
 #[allow(clippy::too_many_arguments)]
 pub fn plan(
     target: &Qwen3Config,
     s: &DflashSettings,
     engines: Engines,
+    gpu: bool,
     target_params: Option<u64>,
     budget: u64,
     max_len: u64,
@@ -567,7 +624,7 @@ pub fn plan(
     };
     let d = match engines.drafter {
         Engine::Candle => drafter_worker(target, s, budget, max_len),
-        Engine::Torch => torch_drafter_worker(target, s, budget, max_len),
+        Engine::Torch => torch_drafter_worker(target, s, budget, max_len, gpu),
     };
     // On a CPU the ring pages a worker writes or reads count in its resident memory: over a run
     // a target writes into any of the feature slots, the drafter reads them all, and a target
@@ -786,7 +843,7 @@ pub(crate) mod tests {
     fn the_seeds_settings_fit_with_the_automatic_chunk() {
         let t = qwen3_8b();
         let mut s = settings(49_152);
-        s.anchor_chunk = auto_anchor_chunk(&t, &s, 8_192, true);
+        s.anchor_chunk = auto_anchor_chunk(&t, &s, 8_192, 49_152, ChunkDevice::Gpu(None));
         let chunk = s
             .anchor_chunk
             .expect("512 anchors of 8,192 tokens need chunks");
@@ -803,7 +860,10 @@ pub(crate) mod tests {
             drafter_worker(&huge, &s, u64::MAX, u64::MAX).total,
             u64::MAX
         );
-        assert_eq!(auto_anchor_chunk(&huge, &s, u32::MAX, true), Some(1));
+        assert_eq!(
+            auto_anchor_chunk(&huge, &s, u32::MAX, 49_152, ChunkDevice::Gpu(None)),
+            Some(1)
+        );
         let d = drafter_worker(&t, &s, 49_152, 8_192);
         let tw = target_worker(&t, &s, 49_152, 8_192);
         assert!(tw.total < 80 << 30, "{}", gib(tw.total));
@@ -829,8 +889,8 @@ pub(crate) mod tests {
         let selector = 2.0 * 151_936.0 * 256.0 + 256.0 * 4_096.0;
         let conv = s.draft_layers as f64 * 2.0 * (2.0 * 2.0 * 4_096.0 + 4.0 * 256.0 * 4_096.0);
         let (d1, d2) = (
-            torch_drafter_worker(&t, &s, 49_152, 8_192),
-            torch_drafter_worker(&t, &two, 49_152, 8_192),
+            torch_drafter_worker(&t, &s, 49_152, 8_192, true),
+            torch_drafter_worker(&t, &two, 49_152, 8_192, true),
         );
         // f32 masters, and the bf16 working copies and their gradients.
         assert_eq!(
@@ -843,8 +903,8 @@ pub(crate) mod tests {
         );
         let chunk = 64.0;
         let ((a1, b1), (a2, b2)) = (
-            torch_chunk_bytes(&t, &s, chunk, 8_192.0),
-            torch_chunk_bytes(&t, &two, chunk, 8_192.0),
+            torch_chunk_bytes(&t, &s, chunk, 8_192.0, true),
+            torch_chunk_bytes(&t, &two, chunk, 8_192.0, true),
         );
         assert_eq!(a1, a2, "the attention is a DFlash layer's");
         let tokens = chunk * 16.0;
@@ -852,12 +912,12 @@ pub(crate) mod tests {
             + 3.0 * tokens * 16.0 * 256.0 * 4.0;
         assert!((b2 - b1 - want).abs() < 1.0, "{} vs {want}", b2 - b1);
         let (c1, c2) = (
-            auto_anchor_chunk(&t, &s, 8_192, true).unwrap(),
-            auto_anchor_chunk(&t, &two, 8_192, true).unwrap(),
+            auto_anchor_chunk(&t, &s, 8_192, 49_152, ChunkDevice::Gpu(None)).unwrap(),
+            auto_anchor_chunk(&t, &two, 8_192, 49_152, ChunkDevice::Gpu(None)).unwrap(),
         );
         assert!(c2 <= c1, "{c2} > {c1}");
         two.anchor_chunk = Some(c2);
-        let p = plan(&t, &two, two.engines, None, 49_152, 8_192, 0, 0, 0);
+        let p = plan(&t, &two, two.engines, true, None, 49_152, 8_192, 0, 0, 0);
         assert!(
             p.drafter.total + TORCH_CUDA_CONTEXT < 141 << 30,
             "{}",
@@ -885,24 +945,27 @@ pub(crate) mod tests {
             assert_eq!(one.weights, two.weights);
             let grow = (two.total - two.weights) as f64 / (one.total - one.weights) as f64;
             assert!((grow - 2.0).abs() < 1e-9, "{grow}");
-            let d1 = torch_drafter_worker(&t, &s, budget, 8_192);
-            let d2 = torch_drafter_worker(&t, &s, 2 * budget, 8_192);
+            let d1 = torch_drafter_worker(&t, &s, budget, 8_192, true);
+            let d2 = torch_drafter_worker(&t, &s, 2 * budget, 8_192, true);
             // Only the micro-batch's context and features grow with the budget.
             let per_token = (d2.total - d1.total) as f64 / budget as f64;
-            let d4 = torch_drafter_worker(&t, &s, 4 * budget, 8_192);
+            let d4 = torch_drafter_worker(&t, &s, 4 * budget, 8_192, true);
             assert!(((d4.total - d2.total) as f64 / (2 * budget) as f64 - per_token).abs() < 1.0);
         }
-        let chunk = auto_anchor_chunk(&t, &s, 8_192, true).expect("512 anchors need chunks");
+        let chunk = auto_anchor_chunk(&t, &s, 8_192, 49_152, ChunkDevice::Gpu(None))
+            .expect("512 anchors need chunks");
         // Torch keeps no scores: its chunk is larger than candle's.
         let mut candle = s.clone();
         candle.engines = Engines::both(Engine::Candle);
-        assert!(chunk > auto_anchor_chunk(&t, &candle, 8_192, true).unwrap());
-        let (a, b) = torch_chunk_bytes(&t, &s, chunk as f64, 8_192.0);
+        assert!(
+            chunk > auto_anchor_chunk(&t, &candle, 8_192, 49_152, ChunkDevice::Gpu(None)).unwrap()
+        );
+        let (a, b) = torch_chunk_bytes(&t, &s, chunk as f64, 8_192.0, true);
         assert!(a + b <= GPU_CHUNK_BYTES as f64);
-        let (a, b) = torch_chunk_bytes(&t, &s, chunk as f64 + 1.0, 8_192.0);
+        let (a, b) = torch_chunk_bytes(&t, &s, chunk as f64 + 1.0, 8_192.0, true);
         assert!(a + b > GPU_CHUNK_BYTES as f64);
         s.anchor_chunk = Some(chunk);
-        let p = plan(&t, &s, s.engines, None, 49_152, 8_192, 0, 0, 0);
+        let p = plan(&t, &s, s.engines, true, None, 49_152, 8_192, 0, 0, 0);
         assert_eq!((p.target.engine, p.drafter.engine), ("torch", "torch"));
         // Qwen3-8B is 8.19 G parameters, bf16: the whole model on the target's GPU.
         let gib8 = p.target.weights as f64 / f64::from(1u32 << 30);
@@ -915,6 +978,7 @@ pub(crate) mod tests {
             &t,
             &s,
             s.engines,
+            true,
             Some(30_000_000_000),
             49_152,
             8_192,
@@ -930,9 +994,49 @@ pub(crate) mod tests {
             target: Engine::Torch,
             drafter: Engine::Candle,
         };
-        let m = plan(&t, &s, mixed, None, 49_152, 8_192, 0, 0, 0);
+        let m = plan(&t, &s, mixed, true, None, 49_152, 8_192, 0, 0, 0);
         assert_eq!((m.target.engine, m.drafter.engine), ("torch", "candle"));
         assert_eq!(m.drafter, drafter_worker(&t, &s, 49_152, 8_192));
+    }
+
+    /// On a GPU of known memory `auto` sizes the torch drafter's chunk from it: the most anchors
+    /// whose whole plan fills at most GPU_FILL of the GPU. At the seeds' settings an H200 (141
+    /// GiB) runs an 8,192-token micro-batch's 6 x 512 anchors in one pass, an 80 GiB GPU fewer
+    /// at once; one anchor more would not fit. Flex keeps no dense mask: the plan on a GPU is
+    /// smaller than SDPA's on a CPU. Where not even one anchor fits, a chunk aims at 12 GiB (the
+    /// launch then refuses the run, naming the GPU).
+    #[test]
+    fn on_a_gpu_of_known_memory_the_torch_chunk_fills_it() {
+        let t = qwen3_8b();
+        let mut s = settings(49_152);
+        s.engines = Engines::both(Engine::Torch);
+        let fill = |chunk: usize, memory: u64| {
+            let mut c = s.clone();
+            c.anchor_chunk = Some(chunk);
+            torch_drafter_worker(&t, &c, 49_152, 8_192, true).total + TORCH_CUDA_CONTEXT
+                <= (memory as f64 * GPU_FILL) as u64
+        };
+        let mut chunks = Vec::new();
+        for memory in [141u64 << 30, 80 << 30] {
+            let chunk =
+                auto_anchor_chunk(&t, &s, 8_192, 49_152, ChunkDevice::Gpu(Some(memory))).unwrap();
+            assert!(fill(chunk, memory), "{chunk}");
+            assert!(!fill(chunk + 1, memory), "{chunk}");
+            chunks.push(chunk);
+        }
+        assert!(chunks[0] >= 6 * 512, "{chunks:?}");
+        assert!((512..6 * 512).contains(&chunks[1]), "{chunks:?}");
+        let unknown = auto_anchor_chunk(&t, &s, 8_192, 49_152, ChunkDevice::Gpu(None)).unwrap();
+        assert!(unknown < chunks[1], "{unknown}");
+        assert_eq!(
+            auto_anchor_chunk(&t, &s, 8_192, 49_152, ChunkDevice::Gpu(Some(1 << 30))),
+            Some(unknown)
+        );
+        let (flex, _) = torch_chunk_bytes(&t, &s, 1_000.0, 8_192.0, true);
+        let (dense, _) = torch_chunk_bytes(&t, &s, 1_000.0, 8_192.0, false);
+        // The dense mask, bool and bf16, against the BlockMask's tables (under a megabyte).
+        let mask = 16_000.0 * 24_192.0 * 3.0;
+        assert!((dense - flex - mask).abs() < 1e6, "{dense} {flex}");
     }
 
     /// The elements of a model's weight files come from their headers; a damaged file gives none.
