@@ -95,6 +95,10 @@ pub struct DflashSettings {
     /// the Python) before anything is written. Never written itself.
     #[serde(skip)]
     pub engine_auto: bool,
+    /// `--anchor-chunk auto`: `anchor_chunk` was sized for the engines known then, and is sized
+    /// again if `--engine auto` chooses another drafter engine. Never written itself.
+    #[serde(skip)]
+    pub anchor_chunk_auto: bool,
 }
 
 /// What computes a stage: candle (Rust, embedded) or torch (PyTorch and `transformers`, in a

@@ -464,6 +464,7 @@ impl DflashFlags {
             },
             torch: None,
             engine_auto: gpu && self.engine == options::EngineChoice::Auto,
+            anchor_chunk_auto: self.anchor_chunk == options::CountOrAuto::Auto,
         })
         .map(|mut settings| {
             settings.torch = (settings.engine_auto || settings.engines.uses(Engine::Torch))

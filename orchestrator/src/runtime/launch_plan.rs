@@ -256,7 +256,32 @@ pub fn prepare(config: RunConfig, run_dir_path: &Path, resume: bool) -> Result<P
             Ok(spec::GpuSpec::All) => (0..gpu_count(&nvml).unwrap_or(1).max(1)).collect(),
             _ => Vec::new(),
         };
+        let drafter = settings.engines.drafter;
         preflight = dflash_stage::check_engines(settings, &gpus)?;
+        if settings.anchor_chunk_auto && settings.engines.drafter != drafter {
+            // `--engine auto` chose the drafter's engine: the chunk is sized for it, from the
+            // GPUs' own memory.
+            let target = dflash_common::dflash::read_config_for(
+                &settings.target_model,
+                settings.engines.target,
+            )
+            .map_err(|e| RunError::Invalid(format!("--target-model {e}")))?;
+            let memory = super::dry_run::smallest_gpu_memory(&config.gpus, None);
+            settings.anchor_chunk = super::memory::auto_anchor_chunk(
+                &target,
+                settings,
+                config.planner.max_len,
+                config.planner.token_budget,
+                super::memory::ChunkDevice::Gpu(memory),
+            );
+            tracing::info!(
+                "--anchor-chunk auto: {} for the {} drafter",
+                settings
+                    .anchor_chunk
+                    .map_or_else(|| "every anchor of a sequence".into(), |n| n.to_string()),
+                settings.engines.drafter.name()
+            );
+        }
     }
     let options = check_options(&config, gpu_count(&nvml))?;
     let (plan_config, devices) = (options.plan.clone(), options.devices.clone());
