@@ -271,9 +271,10 @@ pub enum ChunkDevice {
 ///   chunks come only where memory demands them (at the seeds' settings an H200 runs an
 ///   8,192-token micro-batch's 3,072 anchors in one pass); a chunk may hold several sequences;
 /// - otherwise as many anchors as keep one chunk's activations within [`GPU_CHUNK_BYTES`] (or
-///   [`CPU_CHUNK_BYTES`]), within one sequence for candle.
+///   [`CPU_CHUNK_BYTES`]): on a GPU a chunk may pack sequences, on a CPU (and for candle) it
+///   stays within one.
 ///
-/// `None` when every sequence's anchors fit at once (candle).
+/// `None` when every sequence's anchors fit at once (candle, and torch on a CPU).
 pub fn auto_anchor_chunk(
     target: &Qwen3Config,
     s: &DflashSettings,
@@ -295,6 +296,18 @@ pub fn auto_anchor_chunk(
         // Not linear in the chunk (its keys span the sequences it holds, its loss's logits are
         // capped at TORCH_LOSS_ROWS): the most anchors that fit, by bisection, up to one per
         // token of the micro-batch.
+        // On a CPU SDPA computes every (query, key) of its dense mask, masked or not: a chunk
+        // of several sequences would attend across all of them, so it stays within one
+        // sequence (`None`: a sequence's anchors at once). Flex, on a GPU, skips the masked
+        // tiles, and a chunk may pack sequences.
+        Engine::Torch if !flex => {
+            let mut within = |n: usize| {
+                let (a, b) = torch_chunk_bytes(target, s, n as f64, f64::from(max_len), false);
+                a + b <= limit
+            };
+            let chunk = most_that(s.num_anchors.max(1), &mut within);
+            (chunk < s.num_anchors).then_some(chunk)
+        }
         Engine::Torch => {
             let most = usize::try_from(budget)
                 .unwrap_or(usize::MAX)
@@ -1031,6 +1044,21 @@ pub(crate) mod tests {
         assert_eq!(
             auto_anchor_chunk(&t, &s, 8_192, 49_152, ChunkDevice::Gpu(Some(1 << 30))),
             Some(unknown)
+        );
+        // On a CPU (SDPA's dense mask) a chunk stays within one sequence; a small model's
+        // sequence fits at once.
+        let cpu = auto_anchor_chunk(&t, &s, 8_192, 49_152, ChunkDevice::Cpu).unwrap();
+        assert!(cpu < 512, "{cpu}");
+        let mut small = t.clone();
+        (small.hidden_size, small.intermediate_size, small.vocab_size) = (64, 128, 600);
+        (
+            small.num_attention_heads,
+            small.num_key_value_heads,
+            small.head_dim,
+        ) = (4, 2, Some(16));
+        assert_eq!(
+            auto_anchor_chunk(&small, &s, 256, 2_048, ChunkDevice::Cpu),
+            None
         );
         let (flex, _) = torch_chunk_bytes(&t, &s, 1_000.0, 8_192.0, true);
         let (dense, _) = torch_chunk_bytes(&t, &s, 1_000.0, 8_192.0, false);
