@@ -286,7 +286,6 @@ pub fn auto_anchor_chunk(
         ChunkDevice::Gpu(_) => GPU_CHUNK_BYTES,
         ChunkDevice::Cpu => CPU_CHUNK_BYTES,
     } as f64;
-    let flex = device != ChunkDevice::Cpu;
     match s.engines.drafter {
         Engine::Candle => {
             let (scores, other) = chunk_bytes(target, s, 1.0, f64::from(max_len));
@@ -294,13 +293,11 @@ pub fn auto_anchor_chunk(
             (chunk < s.num_anchors).then_some(chunk)
         }
         // Not linear in the chunk (its keys span the sequences it holds, its loss's logits are
-        // capped at TORCH_LOSS_ROWS): the most anchors that fit, by bisection, up to one per
-        // token of the micro-batch.
-        // On a CPU SDPA computes every (query, key) of its dense mask, masked or not: a chunk
-        // of several sequences would attend across all of them, so it stays within one
-        // sequence (`None`: a sequence's anchors at once). Flex, on a GPU, skips the masked
-        // tiles, and a chunk may pack sequences.
-        Engine::Torch if !flex => {
+        // capped at TORCH_LOSS_ROWS): the most anchors that fit, by bisection. On a CPU SDPA
+        // computes every (query, key) of its dense mask, masked or not: a chunk of several
+        // sequences would attend across all of them, so it stays within one sequence (`None`:
+        // a sequence's anchors at once).
+        Engine::Torch if device == ChunkDevice::Cpu => {
             let mut within = |n: usize| {
                 let (a, b) = torch_chunk_bytes(target, s, n as f64, f64::from(max_len), false);
                 a + b <= limit
@@ -308,17 +305,13 @@ pub fn auto_anchor_chunk(
             let chunk = most_that(s.num_anchors.max(1), &mut within);
             (chunk < s.num_anchors).then_some(chunk)
         }
+        // Flex, on a GPU, skips the masked tiles: a chunk may pack sequences, up to one anchor
+        // per token of the micro-batch.
         Engine::Torch => {
             let most = usize::try_from(budget)
                 .unwrap_or(usize::MAX)
                 .max(s.num_anchors)
                 .max(1);
-            let within_chunk_limit = |n: usize| {
-                let context = (n.div_ceil(s.num_anchors.max(1)) as f64 * f64::from(max_len))
-                    .min((budget as f64).max(f64::from(max_len)));
-                let (a, b) = torch_chunk_bytes(target, s, n as f64, context, flex);
-                a + b <= limit
-            };
             if let ChunkDevice::Gpu(Some(memory)) = device {
                 let mut sized = s.clone();
                 let mut fills = |n: usize| {
@@ -332,10 +325,21 @@ pub fn auto_anchor_chunk(
                     return Some(most_that(most, &mut fills));
                 }
             }
-            let mut within = within_chunk_limit;
+            let mut within = |n: usize| {
+                let context = chunk_context(s, n as f64, budget as f64, f64::from(max_len));
+                let (a, b) = torch_chunk_bytes(target, s, n as f64, context, true);
+                a + b <= limit
+            };
             Some(most_that(most, &mut within))
         }
     }
+}
+
+/// The context positions a torch chunk of `chunk` anchors sees: the sequences it holds (whole
+/// ones, `--num-anchors` anchors each at most), at most the micro-batch's `budget`.
+fn chunk_context(s: &DflashSettings, chunk: f64, budget: f64, max_len: f64) -> f64 {
+    let sequences = (chunk / s.num_anchors.max(1) as f64).ceil().max(1.0);
+    (sequences * max_len).min(budget.max(max_len))
 }
 
 /// The largest `n` in `1..=most` for which `fits(n)` holds, `fits` being monotone (1 when none).
@@ -472,12 +476,11 @@ pub fn torch_drafter_worker(
     // A chunk of more anchors than one sequence has holds several sequences, whose contexts
     // its blocks' keys span (at most the micro-batch's tokens).
     let chunk = s.anchor_chunk.unwrap_or(s.num_anchors) as f64;
-    let sequences = (chunk / s.num_anchors.max(1) as f64).ceil().max(1.0);
     let (attention, blocks) = torch_chunk_bytes(
         target,
         s,
         chunk,
-        (sequences * max_len).min(budget.max(max_len)),
+        chunk_context(s, chunk, budget, max_len),
         flex,
     );
     let conversion = if s.feature_dtype == s.dtype { 0.0 } else { e };
