@@ -444,8 +444,12 @@ impl Drop for LinkAttacker {
     }
 }
 
+/// Draws of [`assert_sampled_like_the_target`]: enough for a chi-square test of tens of cells
+/// that rejects another temperature's distribution at p below 1e-60 on the tests' targets.
+pub const SAMPLING_DRAWS: usize = 500;
+
 /// `eval` with `extra` sampling options (`--temperature`, `--top-p`, `--top-k`, `--seed`, an
-/// engine) of `prompt_ids` repeated 1,000 times, three new tokens each, then
+/// engine) of `prompt_ids` repeated [`SAMPLING_DRAWS`] times, three new tokens each, then
 /// `python/tests/check_sampling.py`: the draws must pass the chi-square test against the target's
 /// exact sampling distribution at significance 0.001 and reject the distribution of another
 /// temperature; and the first speculative step must both keep (10 % or more) and reject (10 %
@@ -459,7 +463,7 @@ pub fn assert_sampled_like_the_target(
 ) -> Value {
     let repeated = dir.join("repeated.jsonl");
     let line = serde_json::json!({ "input_ids": prompt_ids }).to_string();
-    fs::write(&repeated, format!("{line}\n").repeat(1000)).unwrap();
+    fs::write(&repeated, format!("{line}\n").repeat(SAMPLING_DRAWS)).unwrap();
     let mut args = vec![
         "eval",
         "--target-model",

@@ -6,7 +6,7 @@
 //! weights) and of the trained one, by real speculative decoding, with the lossless check. Every
 //! step is the real subcommand, run as a child process, and printed so it can be run by hand.
 
-use std::io::Read;
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -585,7 +585,9 @@ pub fn run(args: DemoArgs) -> Result<(), CliError> {
     let checkpoint = std::fs::read_to_string(run_dir.join("checkpoints").join("latest"))
         .map(|name| run_dir.join("checkpoints").join(name.trim()))
         .unwrap_or_else(|_| run_dir.join("checkpoints"));
-    let served = |label: &str, init: Option<u64>| -> Result<Value, CliError> {
+    // Each eval's whole `--json` report (every prompt's ids, outputs and verify steps) is kept
+    // beside the summary, for a closer look or another decoder to compare with.
+    let served = |label: &str, report: &Path, init: Option<u64>| -> Result<Value, CliError> {
         let mut eval: Vec<String> = [
             "eval",
             "--target-model",
@@ -606,11 +608,15 @@ pub fn run(args: DemoArgs) -> Result<(), CliError> {
         }
         eval.extend(engine.iter().cloned());
         let out = step_output(label, &eval)?;
-        serde_json::from_slice(&out)
-            .map_err(|e| CliError::Failed(format!("eval printed no summary: {e}")))
+        let summary = serde_json::from_slice(&out)
+            .map_err(|e| CliError::Failed(format!("eval printed no summary: {e}")))?;
+        crate::fsutil::write_atomically(report, |f| f.write_all(&out))
+            .map_err(|e| CliError::io(format!("cannot write {}", report.display()), e))?;
+        Ok(summary)
     };
-    let before = served("[6/7]", Some(args.seed))?;
-    let after = served("[7/7]", None)?;
+    let reports = (dir.join("eval-before.json"), dir.join("eval-after.json"));
+    let before = served("[6/7]", &reports.0, Some(args.seed))?;
+    let after = served("[7/7]", &reports.1, None)?;
     let lines = crate::observe::history::train_steps(&run_dir)?;
     if lines.is_empty() {
         return Err(CliError::Failed(format!(
@@ -660,6 +666,7 @@ pub fn run(args: DemoArgs) -> Result<(), CliError> {
             "prompts": after["prompts"],
             "before": served_figures(&before),
             "after": served_figures(&after),
+            "reports": {"before": reports.0, "after": reports.1},
         },
         "checkpoint": checkpoint,
         "curves": curves,

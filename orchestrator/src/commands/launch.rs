@@ -734,6 +734,10 @@ pub fn nodes_from_env(
 
 pub fn run(mut args: LaunchArgs) -> Result<(), CliError> {
     nodes_from_env(&mut args, |name| std::env::var_os(name))?;
+    // The workers' Python sides run in directories of their own, never the caller's: paths
+    // under the run directory reach them whole.
+    args.run_dir = std::path::absolute(&args.run_dir)
+        .map_err(|e| CliError::Invalid(format!("--run-dir {}: {e}", args.run_dir.display())))?;
     if args.dry_run {
         return dry_run(&args);
     }
