@@ -6,7 +6,9 @@ are timed on one workload. The GPU check runs it at the seeds' shape.
 A step is what a torch drafter worker does with one micro-batch per optimiser step:
 `TorchDrafter.micro_batch` (anchor chunks, the loss in pieces) and `TorchDrafter.step` (clipping,
 AdamW). Prints one JSON object: per-step seconds, the median, tokens/s, the losses, the peak
-device memory.
+device memory; on a GPU also the features' copy from a shared mapping to the GPU (`ring_copy`),
+pageable and once registered as the engine registers its ring (`serve.pin_mapping`), in GB/s,
+which the accounting's roofline takes as 25 and 50.
 """
 
 import json
@@ -146,15 +148,48 @@ def run(req):
             times.append(time.perf_counter() - started)
         losses.append(out["loss"])
     median = statistics.median(times)
+    ring_copy = copy_rates(features, device) if cuda else None
     return {
         "engine": "torch", "torch": torch.__version__, "device": str(device),
         "dtype": req["dtype"], "attention": drafter.attention, "path": drafter.path,
         "tokens": tokens_n,
         "step_s": times, "median_s": median, "tokens_per_s": tokens_n / median,
         "losses": losses,
+        "ring_copy": ring_copy,
         "peak_gpu_memory_mib": round(torch.cuda.max_memory_allocated(device) / 2**20)
         if cuda else None,
     }
+
+
+def copy_rates(features, device, repeat=3):
+    """GB/s of copying `features`' bytes (at most 1 GiB) from a shared mapping, as the ring is,
+    to `device`: pageable, then registered page-locked; and how the registration went."""
+    import mmap
+
+    import torch
+
+    from .serve import pin_mapping
+
+    size = min(features.numel() * features.element_size(), 1 << 30)
+    ring = mmap.mmap(-1, size)
+    host = torch.frombuffer(ring, dtype=torch.uint8, count=size)
+    host.fill_(1)
+    on_device = torch.empty(size, dtype=torch.uint8, device=device)
+
+    def rate():
+        best = math.inf
+        for _ in range(repeat):
+            torch.cuda.synchronize(device)
+            started = time.perf_counter()
+            on_device.copy_(host, non_blocking=True)
+            torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - started)
+        return round(size / best / 1e9, 2)
+
+    pageable = rate()
+    how = pin_mapping(ring, device)
+    return {"bytes": size, "pageable_gbps": pageable, "ring": how,
+            "registered_gbps": rate() if how == "page-locked" else None}
 
 
 def main(argv):

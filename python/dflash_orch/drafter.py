@@ -152,12 +152,34 @@ def grouped_conv(x, dynamic, base, group):
     return out.view(a, b, h)
 
 
+def tied_embeddings(model_dir):
+    """Whether the target's config ties its output head to its embedding: `tie_word_embeddings`
+    as `config.json` states it (at the top or in `text_config`); where it states neither, as
+    `transformers` reads it (the architecture's default), which is the only reason a drafter
+    process would import `transformers` (seconds of start-up each time)."""
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        raw = None
+    if isinstance(raw, dict):
+        stated = [raw.get("tie_word_embeddings")]
+        if isinstance(raw.get("text_config"), dict):
+            stated.append(raw["text_config"].get("tie_word_embeddings"))
+        if all(isinstance(v, bool) for v in stated):
+            return any(stated)
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    return bool(getattr(config, "tie_word_embeddings", False)) or bool(
+        getattr(config.get_text_config(), "tie_word_embeddings", False))
+
+
 def load_heads(model_dir, dtype, device):
     """The target's embedding and output head, `[vocab, hidden]` each, read from its safetensors
     files without building the model: `*embed_tokens.weight` (exactly one) and `lm_head.weight`,
     or the embedding again when the config ties them."""
     from safetensors import safe_open
-    from transformers import AutoConfig
 
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
@@ -173,9 +195,7 @@ def load_heads(model_dir, dtype, device):
     if len(embeds) != 1:
         raise ValueError(f"{model_dir}: expected one *embed_tokens.weight among the weights, "
                          f"found {embeds or 'none'}")
-    config = AutoConfig.from_pretrained(model_dir)
-    tied = bool(getattr(config, "tie_word_embeddings", False)) or bool(
-        getattr(config.get_text_config(), "tie_word_embeddings", False))
+    tied = tied_embeddings(model_dir)
     head = "lm_head.weight" if "lm_head.weight" in where else None
     if head is None and not tied:
         raise ValueError(f"{model_dir}: no lm_head.weight, and the config does not tie it to the "

@@ -15,8 +15,10 @@ Requests (the answers' `"ok": true` and `"id"` not repeated below):
 - `{"op": "init", "protocol": 2, "role": "target", "model": DIR, "layer_ids": [k, ...],
   "final": bool, "dtype": "f32"|"bf16", "feature_dtype": "f32"|"bf16", "token_budget": N,
   "ring": PATH, "threads": N}` -> `{"ok": true, "protocol": 2, "vocab": V, "layers": L,
-  "hidden": H, "attention": "sdpa", "device": "cpu"|"cuda:0", "torch": VERSION,
-  "transformers": VERSION}`. The features are the hidden states `k + 1` of `layer_ids`, then, with
+  "hidden": H, "attention": "sdpa", "device": "cpu"|"cuda:0", "ring": HOW, "torch": VERSION,
+  "transformers": VERSION}`. `ring` says how the GPU reaches the ring: "page-locked" (the
+  mapping registered with CUDA once, see `pin_mapping`), "pageable: WHY" (registration failed:
+  copies go through CUDA's staging buffers), or "host" on a CPU. The features are the hidden states `k + 1` of `layer_ids`, then, with
   `final`, the last hidden state (after the final norm, index `L`) that distillation reads.
 - `{"op": "forward", "tokens": [...], "lengths": [...], "offset": O, "bytes": B}` -> writes the
   features `[tokens, n * hidden]` into bytes `O .. O + B` of the ring and answers
@@ -61,6 +63,37 @@ class Refused(Exception):
     """A request that is wrong in itself: its message goes back to the worker."""
 
 
+def pin_mapping(mapping, device):
+    """Registers `mapping` (an mmap: the worker's feature ring) with CUDA as page-locked memory,
+    once per process, so that copies between it and the GPU run at the link's full bandwidth and
+    `non_blocking` ones are asynchronous. Returns how the ring is reached, for the init answer:
+    "host" on a CPU, "page-locked", or "pageable: WHY" where CUDA refuses (the copies then work
+    as before, through staging buffers)."""
+    if device.type != "cuda":
+        return "host"
+    import ctypes
+
+    import torch
+
+    size = len(mapping)
+    try:
+        cudart = torch.cuda.cudart()
+        # The buffer export keeps the mapping open for the process's life, as registered
+        # memory must be.
+        address = ctypes.addressof((ctypes.c_char * size).from_buffer(mapping))
+        code = int(cudart.cudaHostRegister(address, size, 0))
+    except Exception as e:  # a torch without the binding, a mapping of no size
+        return f"pageable: {type(e).__name__}: {e}"
+    if code != 0:
+        # The failure is also CUDA's last error, which the next kernel launch's check would
+        # report as its own: read it here.
+        clear = getattr(cudart, "cudaGetLastError", None)
+        if clear is not None:
+            clear()
+        return f"pageable: cudaHostRegister of {size} bytes failed (CUDA error {code})"
+    return "page-locked"
+
+
 def _answer_channel():
     """The protocol's stdout, kept private: fd 1 becomes stderr, so that a library's print can
     never be read as an answer."""
@@ -79,7 +112,6 @@ class Server:
 
     def init(self, req):
         import torch
-        import transformers
 
         from .target import TorchTarget, device_for, dtype_of, num_layers
 
@@ -99,6 +131,7 @@ class Server:
             from .drafter import TorchDrafter
 
             self.drafter = TorchDrafter(req)
+            ring = pin_mapping(self.map, self.drafter.device)
             group = req.get("group")
             if group:
                 from .parallel import Group
@@ -121,8 +154,12 @@ class Server:
                 "protocol": PROTOCOL,
                 "attention": self.drafter.attention,
                 "device": str(self.drafter.device),
+                "ring": ring,
                 "torch": torch.__version__,
             }
+        # The target's role alone needs `transformers` (a drafter starts seconds sooner).
+        import transformers
+
         device = device_for(os.environ.get("CUDA_VISIBLE_DEVICES"))
         layers = num_layers(req["model"])
         indices = [int(k) + 1 for k in req["layer_ids"]] + ([layers] if req.get("final") else [])
@@ -134,6 +171,7 @@ class Server:
             dtype_of(req["feature_dtype"]),
         )
         self.token_budget = int(req["token_budget"])
+        ring = pin_mapping(self.map, device)
         return {
             "protocol": PROTOCOL,
             "vocab": self.target.vocab_size,
@@ -141,6 +179,7 @@ class Server:
             "hidden": self.target.hidden,
             "attention": self.target.attention,
             "device": str(device),
+            "ring": ring,
             "torch": torch.__version__,
             "transformers": transformers.__version__,
         }

@@ -191,7 +191,10 @@ class TorchTarget:
                 finite &= torch.isfinite(
                     values.view(len(group), length, len(self.indices), self.hidden)
                 ).all(dim=3).all(dim=1).all(dim=0)
+                # Into the ring: page-locked on a GPU (see serve.pin_mapping), so the copies
+                # run without staging and queue behind the forward; `tolist` below waits for
+                # them before the worker is answered.
                 for r, s in enumerate(group):
-                    out[starts[s]:starts[s] + length].copy_(values[r])
+                    out[starts[s]:starts[s] + length].copy_(values[r], non_blocking=True)
         flags = finite.tolist()
         return next((j for j, ok in enumerate(flags) if not ok), None)

@@ -1,6 +1,8 @@
 """The pipe protocol of `dflash_orch.serve`, checked without a model: every answer names the id of
 the request it answers (refusals and failures too), the protocol is refused by number, and a
-request that cannot be read ends the server (exit 2) without an answer.
+request that cannot be read ends the server (exit 2) without an answer. Also the ring's
+registration with CUDA (`pin_mapping`): nothing on a CPU, and where CUDA cannot register it
+(no GPU here) the ring stays pageable, says why, and stays usable.
 
   check_serve.py
       Runs the checks; prints one JSON line per check and exits 1 at the first that fails.
@@ -15,7 +17,7 @@ PYTHON_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, PYTHON_DIR)
 
 from dflash_orch import PROTOCOL  # noqa: E402
-from dflash_orch.serve import Server, answer  # noqa: E402
+from dflash_orch.serve import Server, answer, pin_mapping  # noqa: E402
 
 
 def check(name, ok, detail):
@@ -68,6 +70,26 @@ def over_the_pipe():
               and b"unreadable request" in done.stderr, [done.returncode, answers])
 
 
+def ring_registration():
+    import mmap
+
+    import torch
+
+    ring = mmap.mmap(-1, 1 << 16)
+    check("a CPU's ring is the host's", pin_mapping(ring, torch.device("cpu")) == "host", None)
+    if torch.cuda.is_available():
+        how = pin_mapping(ring, torch.device("cuda"))
+        check("a GPU registers the ring", how == "page-locked", how)
+        return
+    how = pin_mapping(ring, torch.device("cuda"))
+    check("without a GPU the ring stays pageable and says why",
+          how.startswith("pageable: ") and len(how) > len("pageable: "), how)
+    view = torch.frombuffer(ring, dtype=torch.uint8, count=8)
+    view.fill_(7)
+    check("and stays usable", ring[:8] == b"\x07" * 8, list(ring[:8]))
+
+
 if __name__ == "__main__":
     in_process()
     over_the_pipe()
+    ring_registration()

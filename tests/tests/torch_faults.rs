@@ -356,6 +356,8 @@ fn an_answer_to_another_request_fails_the_run_naming_both_ids() {
 
 /// The id echo of `dflash_orch.serve` itself (python/tests/check_serve.py): every answer names
 /// its request's id, refusals and failures included; an unreadable request ends it (exit 2).
+/// And the ring's registration with CUDA: nothing on a CPU; without a GPU the ring stays
+/// pageable, says why and stays usable.
 #[test]
 fn the_python_server_names_the_request_of_every_answer() {
     let out = Command::new(test_python())

@@ -320,11 +320,12 @@ impl TargetStage {
         let layers = field("layers")? as usize;
         let vocab = u32::try_from(field("vocab")?).map_err(|e| e.to_string())?;
         tracing::info!(
-            "torch target: {} layers, hidden {}, {} attention on {} (torch {}, transformers {})",
+            "torch target: {} layers, hidden {}, {} attention on {}, ring {} (torch {}, transformers {})",
             layers,
             field("hidden")?,
             init["attention"].as_str().unwrap_or("?"),
             init["device"].as_str().unwrap_or("?"),
+            init["ring"].as_str().unwrap_or("?"),
             init["torch"].as_str().unwrap_or("?"),
             init["transformers"].as_str().unwrap_or("?"),
         );
@@ -484,9 +485,10 @@ impl DrafterEngine {
         let _ = std::fs::remove_dir_all(&engine.exchange);
         let init = init?;
         tracing::info!(
-            "torch drafter: {} attention on {} (torch {})",
+            "torch drafter: {} attention on {}, ring {} (torch {})",
             init["attention"].as_str().unwrap_or("?"),
             init["device"].as_str().unwrap_or("?"),
+            init["ring"].as_str().unwrap_or("?"),
             init["torch"].as_str().unwrap_or("?"),
         );
         Ok(engine)
