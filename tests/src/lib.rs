@@ -446,7 +446,16 @@ impl Drop for LinkAttacker {
 
 /// Draws of [`assert_sampled_like_the_target`]: enough for a chi-square test of tens of cells
 /// that rejects another temperature's distribution at p below 1e-60 on the tests' targets.
-pub const SAMPLING_DRAWS: usize = 500;
+const SAMPLING_DRAWS: usize = 500;
+
+/// The whole `eval --json` report a `demo --json` summary names under `served.reports`
+/// (`which`: "before" or "after").
+pub fn demo_report(demo: &Value, which: &str) -> Value {
+    let path = demo["served"]["reports"][which]
+        .as_str()
+        .unwrap_or_else(|| panic!("the demo names no {which} report: {demo}"));
+    serde_json::from_slice(&fs::read(path).unwrap()).unwrap()
+}
 
 /// `eval` with `extra` sampling options (`--temperature`, `--top-p`, `--top-k`, `--seed`, an
 /// engine) of `prompt_ids` repeated [`SAMPLING_DRAWS`] times, three new tokens each, then

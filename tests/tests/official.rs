@@ -22,7 +22,9 @@
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
-use dflash_e2e::{assert_sampled_like_the_target, bin, orch, script, stdout_ok, workspace_root};
+use dflash_e2e::{
+    assert_sampled_like_the_target, bin, demo_report, orch, script, stdout_ok, workspace_root,
+};
 use serde_json::Value;
 
 fn official_python() -> PathBuf {
@@ -100,10 +102,7 @@ fn the_official_package_loads_our_checkpoint_and_decodes_as_eval_does() {
     // official decoder.
     let checkpoint = demo["checkpoint"].as_str().unwrap();
     let target = run.join("target");
-    let ours: Value = serde_json::from_slice(
-        &std::fs::read(demo["served"]["reports"]["after"].as_str().unwrap()).unwrap(),
-    )
-    .unwrap();
+    let ours = demo_report(&demo, "after");
     assert_eq!(ours["tau"].as_f64().unwrap(), after);
     let prompts = dir.path().join("prompts.jsonl");
     let per = ours["per_prompt"].as_array().unwrap();

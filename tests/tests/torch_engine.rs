@@ -12,9 +12,9 @@ use std::time::Duration;
 
 use dflash_e2e::planted::Planted;
 use dflash_e2e::{
-    assert_clean, assert_refused, assert_sampled_like_the_target, bin, children, final_checkpoint,
-    finish, flags_without, journal_events, launch_with, orch, script, signal, stdout_ok,
-    test_python, tiny_target, wait_until, worker_pid, workspace_root,
+    assert_clean, assert_refused, assert_sampled_like_the_target, bin, children, demo_report,
+    final_checkpoint, finish, flags_without, journal_events, launch_with, orch, script, signal,
+    stdout_ok, test_python, tiny_target, wait_until, worker_pid, workspace_root,
 };
 use serde_json::Value;
 
@@ -1098,10 +1098,7 @@ fn official_agrees(dir: &Path, target: &Path, demo: &Value) {
     let checkpoint = demo["checkpoint"].as_str().unwrap();
     let after = demo["served"]["after"]["tau"].as_f64().unwrap();
     // The demo's own eval of the held-out prompts, its whole report.
-    let ours: Value = serde_json::from_slice(
-        &fs::read(demo["served"]["reports"]["after"].as_str().unwrap()).unwrap(),
-    )
-    .unwrap();
+    let ours = demo_report(demo, "after");
     assert_eq!(
         ours["tau"].as_f64().unwrap(),
         after,
