@@ -1092,6 +1092,62 @@ def step_drafter_step(ctx):
     return res
 
 
+def step_target_step(ctx):
+    """The torch target's micro-batch at the seeds' shape (Qwen3-8B widths up to the last feature
+    layer, budget 49,152, sequences of about 2,048 and 8,192 tokens), rows of one length against
+    packed rows (one variable-length flash kernel per layer), with the packed features'
+    difference; tiny Qwen3 and gpt-oss (sinks, sliding windows) packed against their rows; and
+    the accounting's projection of the same micro-batches. --cpu: a tiny one."""
+    if ctx.cpu:
+        req = {"target": TINY, "target_layer_ids": [0, 2], "seq_lens": [256, 64], "budget": 1024,
+               "dtype": "f32", "warmup": 1, "iters": 2, "check": ["qwen3", "gpt_oss"]}
+    else:
+        req = {"target": QWEN3_8B, "target_layer_ids": [1, 9, 17, 25, 33], "seq_lens": [2048, 8192],
+               "budget": 49152, "dtype": "bf16", "warmup": 1, "iters": 3, "check": ["qwen3", "gpt_oss"]}
+    gpu = None if ctx.cpu else ctx.pair.split(",")[0]
+    env = dict(ctx.env)
+    env["CUDA_VISIBLE_DEVICES"] = gpu or ""
+    env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    pkg = package_dir(ctx)
+    if pkg:
+        env["PYTHONPATH"] = pkg + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [ctx.args.python, "-c", BOOTSTRAP, "dflash_orch.bench_target", "-"]
+    log(f"target_step: sequences of {req['seq_lens']} tokens, budget {req['budget']}")
+    try:
+        out = subprocess.run(cmd, input=json.dumps(req), capture_output=True, text=True, env=env,
+                             cwd=ctx.work, timeout=ctx.remaining(ctx.args.step_timeout))
+    except subprocess.TimeoutExpired:
+        raise StepFailed(f"did not finish within {ctx.args.step_timeout:g} s") from None
+    if out.returncode != 0:
+        raise StepFailed(f"exited {out.returncode}: {out.stderr.strip()[-1500:]}")
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    peak = next((p for key, p in BF16_PEAKS if key in (res.get("gpu") or "")), None)
+    for one in res["lengths"].values():
+        for name in ("rows", "packed"):
+            one[name]["mfu"] = round(one[name]["model_flops_per_s"] / peak, 4) if peak else None
+    if not ctx.cpu:
+        cmd = [ctx.args.python, "-c", BOOTSTRAP, "dflash_orch.account", "--json"]
+        try:
+            acc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ctx.work,
+                                 timeout=ctx.remaining(300))
+            projected = json.loads(acc.stdout)["target"] if acc.returncode == 0 else {}
+        except (OSError, subprocess.SubprocessError, ValueError, KeyError):
+            projected = {}
+        for seq, one in res["lengths"].items():
+            for name, column in (("rows", f"target {seq}"), ("packed", f"packed target {seq}")):
+                p = projected.get(column)
+                if p:
+                    one[name]["projected"] = {k: p[k] for k in ("step_s", "mfu", "tokens_per_s")}
+    bad = [f"{seq}: {one['relative_max_diff']:.3g}" for seq, one in res["lengths"].items()
+           if not one["relative_max_diff"] <= 0.05]
+    bad += [f"{arch}: {c['relative_max_diff']:.3g}" for arch, c in res["check"].items()
+            if not c["relative_max_diff"] <= 0.05]
+    if bad:
+        raise StepFailed("packed features differ from rows' past 5 % of their scale: "
+                         + ", ".join(bad), **res)
+    return res
+
+
 # ---------------------------------------------------------------------------------------------
 # The PyTorch side, in its own process (so that its GPU memory is gone when it ends).
 
@@ -1284,7 +1340,7 @@ def main():
                     help="timed drafter steps at the seeds' shape, after one untimed [default: 2]")
     ap.add_argument("--skip", action="append", default=[],
                     choices=["environment", "nvml", "serve", "crash_resume", "pytorch", "torch_dflash",
-                             "torch_crash_resume", "drafter_step", "topology"],
+                             "torch_crash_resume", "drafter_step", "target_step", "topology"],
                     help="leave a step out (repeatable)")
     args = ap.parse_args()
     args.samples = args.samples or (192 if args.cpu else 256)
@@ -1325,7 +1381,8 @@ def main():
              ("crash_resume", step_crash_resume), ("pytorch", step_pytorch),
              ("torch_dflash", lambda c: step_dflash(c, "torch")),
              ("torch_crash_resume", lambda c: step_crash_resume(c, "torch")),
-             ("drafter_step", step_drafter_step), ("topology", step_topology)]
+             ("drafter_step", step_drafter_step), ("target_step", step_target_step),
+             ("topology", step_topology)]
     for name, fn in steps:
         if name in args.skip:
             ctx.results[name] = {"ok": True, "skipped": "--skip"}
@@ -1359,6 +1416,9 @@ def main():
             ctx.results.get("torch_crash_resume", {}).get("max_rel_deviation"),
         "seeds_drafter_step": {e: {k: (ctx.results.get("drafter_step", {}).get(e) or {}).get(k)
                                    for k in ("tokens_per_s", "mfu", "anchor_chunk")} for e in ("candle", "torch")},
+        "seeds_target_step": {seq: {k: (one.get(k) or {}).get("mfu") for k in ("rows", "packed")}
+                              for seq, one in
+                              (ctx.results.get("target_step", {}).get("lengths") or {}).items()},
         "served": ctx.results.get("serve", {}).get("eval"),
         "topology": {k: ctx.results.get("topology", {}).get(k) for k in ("auto", "measured", "auto_share_of_best")},
     }

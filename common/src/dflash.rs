@@ -71,6 +71,11 @@ pub struct DflashSettings {
     /// gradients of the chunks are summed. None: all anchors at once.
     #[serde(default)]
     pub anchor_chunk: Option<usize>,
+    /// The torch target runs each micro-batch as packed rows (sequences back to back, positions
+    /// restarting, one variable-length attention kernel on a GPU) instead of rows of one length.
+    /// Off in runs from before it existed.
+    #[serde(default)]
+    pub target_packing: bool,
     /// What a NaN or infinity in the features, the loss or the gradients does: stop the run
     /// (naming where it appeared), or skip that optimiser step (journalled and counted).
     #[serde(default)]

@@ -143,6 +143,19 @@ mod tests {
     }
 
     #[test]
+    fn a_switch_reads_auto_on_and_off_and_refuses_the_rest() {
+        assert_eq!(parse_switch(" on"), Ok(Switch::On));
+        assert_eq!(parse_switch("off"), Ok(Switch::Off));
+        assert!(parse_switch("auto").unwrap().resolve(true));
+        assert!(!parse_switch("auto").unwrap().resolve(false));
+        assert!(!Switch::Off.resolve(true));
+        for bad in ["", "yes", "1", "On", "\u{0}"] {
+            let e = parse_switch(bad).unwrap_err();
+            assert!(e.contains("is not auto, on or off"), "{bad:?}: {e}");
+        }
+    }
+
+    #[test]
     fn out_of_range_and_non_numbers_are_refused_naming_the_range() {
         assert_eq!(parse_real("2.5", 0.1, 10.0, " s"), Ok(2.5));
         for bad in ["1e30", "-1", "nan", "inf", "x", ""] {
@@ -220,4 +233,38 @@ pub fn count_or_auto(lo: u64, hi: u64) -> impl TypedValueParser<Value = CountOrA
             )),
         }
     })
+}
+
+/// A feature switch: `auto` (decided by the workers' devices), `on` or `off`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Switch {
+    Auto,
+    On,
+    Off,
+}
+
+impl Switch {
+    /// Whether it is on, `auto` being `when_auto`.
+    pub fn resolve(self, when_auto: bool) -> bool {
+        match self {
+            Switch::Auto => when_auto,
+            Switch::On => true,
+            Switch::Off => false,
+        }
+    }
+}
+
+/// Reads `auto`, `on` or `off`.
+pub fn parse_switch(s: &str) -> Result<Switch, String> {
+    match s.trim() {
+        "auto" => Ok(Switch::Auto),
+        "on" => Ok(Switch::On),
+        "off" => Ok(Switch::Off),
+        other => Err(format!("{other:?} is not auto, on or off")),
+    }
+}
+
+/// `auto`, `on` or `off`.
+pub fn switch() -> impl TypedValueParser<Value = Switch> {
+    clap::builder::StringValueParser::new().try_map(|s: String| parse_switch(&s))
 }

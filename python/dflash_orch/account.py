@@ -342,23 +342,26 @@ def target_lengths(seq_len):
     return [seq_len - i for i in range(n)]
 
 
-def useful_target_flops(lengths):
-    """The forward GEMMs and causal attention up to the last layer a feature is taken from."""
-    t = QWEN3_8B
+def useful_target_flops(lengths, t=QWEN3_8B, layer_ids=TARGET_LAYER_IDS):
+    """The forward GEMMs and causal attention up to the last layer a feature is taken from, of
+    a target of `config.json` fields `t`."""
     h, i = t["hidden_size"], t["intermediate_size"]
     q, kv = t["num_attention_heads"] * t["head_dim"], t["num_key_value_heads"] * t["head_dim"]
-    layers = max(TARGET_LAYER_IDS) + 1
+    layers = max(layer_ids) + 1
     tokens = sum(lengths)
     gemm = layers * tokens * 2 * (h * q + 2 * h * kv + q * h + 3 * h * i)
     pairs = sum(n * (n + 1) // 2 for n in lengths)
     return {"gemm": gemm, "attention": layers * pairs * 4 * q}
 
 
-def replay_target(seq_len):
+def replay_target(seq_len, packed=False):
     """One target micro-batch (`TorchTarget.features_into`) of a Qwen3-8B-shaped model built on
-    `meta` by `transformers`, writing into a host slot."""
+    `meta` by `transformers`, writing into a host slot: rows of one length, or `packed` rows
+    through the variable-length kernel a GPU runs (`--target-packing`)."""
+    import torch.nn.attention.varlen as varlen
     from transformers import AutoModelForCausalLM, Qwen3Config
 
+    from . import target as target_module
     from .target import TorchTarget
 
     t = QWEN3_8B
@@ -375,7 +378,7 @@ def replay_target(seq_len):
     model.eval()
     indices = [k + 1 for k in TARGET_LAYER_IDS]
     target = TorchTarget(None, indices, torch.bfloat16, torch.device("meta"), torch.bfloat16,
-                         model=model)
+                         model=model, packing="on" if packed else "off")
     lengths = target_lengths(seq_len)
     rng = random.Random(0)
     tokens = [rng.randrange(t["vocab_size"]) for _ in range(sum(lengths))]
@@ -393,6 +396,18 @@ def replay_target(seq_len):
         extra = attn_mask.numel() if attn_mask is not None else 0
         return _Attention.apply(q, k, v, rec, pairs, extra)
 
+    real_varlen = varlen.varlen_attn
+
+    def varlen_stub(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None,
+                    window_size=(-1, -1), enable_gqa=False):
+        # Causal within each sequence of the packed row: the kernel skips the tiles above each
+        # sequence's diagonal and every tile across sequences.
+        bounds = target_module._Layout.bounds
+        pairs = sum((b - a) * (b - a + 1) // 2 for a, b in zip(bounds, bounds[1:]))
+        out = _Attention.apply(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), rec,
+                               pairs, 0)
+        return out.transpose(0, 1)
+
     def tolist(x):
         if x.device.type != "meta":
             return real_tolist(x)
@@ -402,17 +417,21 @@ def replay_target(seq_len):
 
     torch.nn.functional.scaled_dot_product_attention = sdpa_stub
     torch.Tensor.tolist = tolist
+    varlen.varlen_attn = varlen_stub
     try:
         with rec:
             target.features_into(tokens, lengths, out, BUDGET)
     finally:
         torch.nn.functional.scaled_dot_product_attention = real_sdpa
         torch.Tensor.tolist = real_tolist
+        varlen.varlen_attn = real_varlen
+    if packed and not target.packed:
+        raise RuntimeError(f"the packed target was not counted: {target.packing}")
     return rec, useful_target_flops(lengths), sum(lengths)
 
 
-def account_target(seq_len):
-    rec, useful, n_tok = replay_target(seq_len)
+def account_target(seq_len, packed=False):
+    rec, useful, n_tok = replay_target(seq_len, packed)
     return summary(rec, useful, n_tok, rec.device_ops * DISPATCH_S + target_prep_s(seq_len))
 
 
@@ -619,8 +638,11 @@ def main(argv):
             results[f"{p} {n}"] = account_drafter(p, n, chunks[p])
         print(f"bench-step-account: target, sequences of about {n}", file=sys.stderr)
         targets[f"target {n}"] = account_target(n)
+        print(f"bench-step-account: packed target, sequences of about {n}", file=sys.stderr)
+        targets[f"packed target {n}"] = account_target(n, packed=True)
+        # The split a GPU run makes: its target packs its rows (`--target-packing auto`).
         for p in paths:
-            topologies[f"{p} {n}"] = topology(targets[f"target {n}"]["step_s"],
+            topologies[f"{p} {n}"] = topology(targets[f"packed target {n}"]["step_s"],
                                               results[f"{p} {n}"]["step_s"])
     if args.json:
         print(json.dumps({"drafter": results, "target": targets, "topology": topologies},

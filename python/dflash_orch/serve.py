@@ -169,6 +169,7 @@ class Server:
             dtype_of(req["dtype"]),
             device,
             dtype_of(req["feature_dtype"]),
+            packing=req.get("packing") or "off",
         )
         self.token_budget = int(req["token_budget"])
         ring = pin_mapping(self.map, device)
@@ -178,6 +179,7 @@ class Server:
             "layers": self.target.num_layers,
             "hidden": self.target.hidden,
             "attention": self.target.attention,
+            "packing": self.target.packing,
             "device": str(device),
             "ring": ring,
             "torch": torch.__version__,

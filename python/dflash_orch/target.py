@@ -12,12 +12,161 @@ kernel; no `[s, s]` mask exists. The hidden states are taken by forward hooks on
 is the model's activations for one group of rows plus the features themselves: linear in tokens.
 """
 
+import inspect
 import os
 import sys
 
 import torch
 
 POISON_TOKEN_ENV = "DFLASH_WORKER_POISON_TOKEN"
+
+PACKED_ATTENTION = "dflash_packed"
+
+
+class _Unpackable(Exception):
+    """The packed kernel cannot run a layer as it is asked (an option it lacks): the target goes
+    back to rows by length, saying why."""
+
+
+# Devices whose packed rows go through one variable-length kernel, and the dtypes it takes (the
+# test of the kernel's wrapping widens both, with a reference kernel on the CPU).
+VARLEN_DEVICES = {"cuda", "meta"}
+VARLEN_DTYPES = {torch.float16, torch.bfloat16}
+
+
+class _Layout:
+    """The sequences of the packed row the current forward runs: `bounds` (start of each, then
+    the end), on the host and on the device, and the longest. Set around one forward only."""
+
+    bounds = None
+    device_bounds = None
+    longest = 0
+    base = "sdpa"
+
+
+def _sequence_mask(length, window, additive_dtype):
+    """The causal (and sliding-window: keys less than `window` positions back, as
+    `transformers` defines it) mask of one sequence, `[1, 1, s, s]`: boolean (True attends), or
+    additive in `additive_dtype` (0 or the dtype's minimum) for the eager implementations."""
+    q = torch.arange(length).unsqueeze(1)
+    k = torch.arange(length).unsqueeze(0)
+    allowed = k <= q
+    if window is not None:
+        allowed &= k > q - window
+    allowed = allowed.view(1, 1, length, length)
+    if additive_dtype is None:
+        return allowed
+    zero = torch.zeros((), dtype=additive_dtype)
+    return torch.where(allowed, zero, torch.finfo(additive_dtype).min)
+
+
+def _base_function(module, base):
+    """The attention function the model was loaded with: `transformers`' registered one, or the
+    eager function of the module's own modeling file (what its eager path calls)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if base != "eager" and base in ALL_ATTENTION_FUNCTIONS:
+        return ALL_ATTENTION_FUNCTIONS[base]
+    return sys.modules[type(module).__module__].eager_attention_forward
+
+
+def _per_sequence(module, query, key, value, dropout, scaling, sliding_window, kwargs):
+    """Each sequence of the row through the model's own attention, alone: the same kernels and
+    masks as the sequence run as its own row (what the CPU runs; exact to rows by length)."""
+    base = _Layout.base if _Layout.base in ("sdpa", "eager") else "eager"
+    function = _base_function(module, base)
+    bounds = _Layout.bounds
+    outs = []
+    for a, b in zip(bounds, bounds[1:]):
+        n = b - a
+        if base == "sdpa" and (sliding_window is None or n <= sliding_window):
+            mask = None  # the causal kernel, as transformers runs a single unmasked row
+        else:
+            mask = _sequence_mask(n, sliding_window,
+                                  None if base == "sdpa" else query.dtype).to(query.device)
+        out, _ = function(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], mask,
+                          dropout=dropout, scaling=scaling, sliding_window=sliding_window,
+                          **kwargs)
+        outs.append(out)
+    return torch.cat(outs, dim=1)
+
+
+def _varlen_parameters():
+    from torch.nn.attention import varlen
+
+    return inspect.signature(varlen.varlen_attn).parameters
+
+
+def _varlen(module, query, key, value, dropout, scaling, sliding_window, kwargs):
+    """The whole row through PyTorch's variable-length flash attention
+    (`torch.nn.attention.varlen`): each sequence causal within itself, no mask tensor. Attention
+    sinks (gpt-oss) are applied from the kernel's log-sum-exp: a sink `s` of a head scales its
+    output by `sigmoid(lse - s)`, which is the softmax with the sink's logit in the denominator."""
+    try:
+        from torch.nn.attention import varlen
+    except ImportError as e:
+        raise _Unpackable(f"torch {torch.__version__} has no torch.nn.attention.varlen") from e
+    parameters = _varlen_parameters()
+    if dropout:
+        raise _Unpackable("attention dropout")
+    if kwargs.get("softcap") is not None:
+        raise _Unpackable("attention logit soft-capping")
+    if query.dtype not in VARLEN_DTYPES:
+        raise _Unpackable(f"flash attention needs bf16 or f16, the target runs {query.dtype}")
+    if query.shape[-1] > 256:
+        raise _Unpackable(f"head dim {query.shape[-1]} is past flash attention's 256")
+    options = {"scale": scaling}
+    if "window_size" in parameters:
+        options["window_size"] = (sliding_window - 1 if sliding_window else -1, 0)
+    elif sliding_window is None and "is_causal" in parameters:
+        options["is_causal"] = True
+    else:
+        raise _Unpackable(f"torch {torch.__version__}'s varlen_attn has no sliding window")
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        sinks = kwargs.get("sinks")
+    if sinks is not None:
+        if "return_aux" not in parameters:
+            raise _Unpackable("varlen_attn returns no log-sum-exp for attention sinks")
+        options["return_aux"] = varlen.AuxRequest(lse=True)
+    heads, kv_heads = query.shape[1], key.shape[1]
+    q = query[0].transpose(0, 1)  # [tokens, heads, dim]
+    k = key[0].transpose(0, 1)
+    v = value[0].transpose(0, 1)
+    if kv_heads != heads:
+        if "enable_gqa" in parameters:
+            options["enable_gqa"] = True
+        else:
+            k = k.repeat_interleave(heads // kv_heads, dim=1)
+            v = v.repeat_interleave(heads // kv_heads, dim=1)
+    bounds = _Layout.device_bounds
+    out = varlen.varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), bounds, bounds,
+                             _Layout.longest, _Layout.longest, **options)
+    if sinks is not None:
+        out, lse = out
+        tokens = q.shape[0]
+        if tuple(lse.shape) == (heads, tokens):
+            lse = lse.transpose(0, 1)
+        elif tuple(lse.shape) != (tokens, heads):
+            raise _Unpackable(f"varlen_attn's log-sum-exp is {tuple(lse.shape)}")
+        scale = torch.sigmoid(lse.float() - sinks.float().view(1, heads))
+        out = (out.float() * scale.unsqueeze(-1)).to(out.dtype)
+    return out.unsqueeze(0)  # [1, tokens, heads, dim], as transformers' functions answer
+
+
+def packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                     sliding_window=None, **kwargs):
+    """The attention of a packed row (`[1, heads, tokens, dim]`, sequences back to back, each
+    from position 0): no sequence sees another. On a GPU (and `meta`, where the accounting
+    counts it) one variable-length flash kernel; elsewhere each sequence through the model's own
+    attention."""
+    if _Layout.bounds is None:
+        raise RuntimeError("the packed attention ran outside a packed forward")
+    if query.device.type in VARLEN_DEVICES:
+        out = _varlen(module, query, key, value, dropout, scaling, sliding_window, kwargs)
+    else:
+        out = _per_sequence(module, query, key, value, dropout, scaling, sliding_window, kwargs)
+    return out, None
 
 
 class _Stop(Exception):
@@ -97,8 +246,13 @@ class TorchTarget:
     """The frozen target: hidden states of `indices` (hidden-state indices, layer id + 1) for a
     batch of sequences."""
 
-    def __init__(self, model_dir, indices, dtype, device, feature_dtype=None, model=None):
-        """The target of `model_dir` (or the loaded `model`, for the accounting benchmark)."""
+    def __init__(self, model_dir, indices, dtype, device, feature_dtype=None, model=None,
+                 packing="off"):
+        """The target of `model_dir` (or the loaded `model`, for the accounting benchmark).
+        `packing`: `on` runs each micro-batch as packed rows (sequences back to back, positions
+        restarting, [`packed_attention`]), `off` as rows of one length, `auto` packs on a GPU."""
+        if packing not in ("on", "off", "auto"):
+            raise ValueError(f"target packing {packing!r} (expected on, off or auto)")
         self.device = device
         self.dtype = dtype
         self.feature_dtype = feature_dtype or dtype
@@ -127,6 +281,22 @@ class TorchTarget:
             module.register_forward_hook(self._hook(i, stop=(i == last and i < self.num_layers)))
         poison = os.environ.get(POISON_TOKEN_ENV, "").strip()
         self.poison = int(poison) if poison.isdigit() else None
+        self.packed = packing == "on" or (packing == "auto" and device.type == "cuda")
+        self.packing = ("packed, " + ("one variable-length kernel" if device.type in VARLEN_DEVICES
+                                      else "each sequence's own attention")
+                        if self.packed else "rows of one length")
+        if self.packed:
+            from transformers import AttentionInterface
+
+            AttentionInterface.register(PACKED_ATTENTION, packed_attention)
+
+    def _configs(self):
+        seen = {}
+        for module in self.model.modules():
+            config = getattr(module, "config", None)
+            if config is not None and hasattr(config, "_attn_implementation"):
+                seen[id(config)] = config
+        return list(seen.values())
 
     def _hook(self, index, stop):
         def hook(_module, _inputs, output):
@@ -146,6 +316,35 @@ class TorchTarget:
         except _Stop:
             pass
         states = [self._captured[i] for i in self.indices]
+        self._captured = {}
+        return torch.cat(states, dim=-1)
+
+    def _packed_row(self, ids, lengths):
+        """Hidden states `[tokens, n * hidden]` of the sequences of `lengths` packed back to
+        back in `ids` (`[tokens]`), each from position 0, none seeing another."""
+        positions = torch.cat([torch.arange(n) for n in lengths]).to(self.device)
+        bounds = [0]
+        for n in lengths:
+            bounds.append(bounds[-1] + n)
+        configs = self._configs()
+        base = [c._attn_implementation for c in configs]
+        _Layout.bounds = bounds
+        _Layout.device_bounds = torch.tensor(bounds, dtype=torch.int32).to(self.device)
+        _Layout.longest = max(lengths)
+        _Layout.base = self.attention
+        for c in configs:
+            c._attn_implementation = PACKED_ATTENTION
+        self._captured = {}
+        try:
+            self.model.get_decoder()(input_ids=ids.unsqueeze(0),
+                                     position_ids=positions.unsqueeze(0), use_cache=False)
+        except _Stop:
+            pass
+        finally:
+            for c, name in zip(configs, base):
+                c._attn_implementation = name
+            _Layout.bounds = _Layout.device_bounds = None
+        states = [self._captured[i][0] for i in self.indices]
         self._captured = {}
         return torch.cat(states, dim=-1)
 
@@ -177,6 +376,15 @@ class TorchTarget:
                 by_length.setdefault(length, []).append(s)
         budget = max(token_budget or n, 1)
         finite = torch.ones(len(self.indices), dtype=torch.bool, device=self.device)
+        if self.packed:
+            try:
+                return self._packed_into(all_ids, starts, lengths, out, budget, finite)
+            except _Unpackable as e:
+                self.packed = False
+                self.packing = f"rows of one length (packing refused: {e})"
+                print(f"dflash_orch: the target runs rows of one length: {e}", file=sys.stderr,
+                      flush=True)
+                finite.fill_(True)
         for length, seqs in sorted(by_length.items()):
             per = max(budget // length, 1)
             for k in range(0, len(seqs), per):
@@ -196,5 +404,37 @@ class TorchTarget:
                 # them before the worker is answered.
                 for r, s in enumerate(group):
                     out[starts[s]:starts[s] + length].copy_(values[r], non_blocking=True)
+        return self._first_nonfinite(finite)
+
+    @staticmethod
+    def _first_nonfinite(finite):
         flags = finite.tolist()
         return next((j for j, ok in enumerate(flags) if not ok), None)
+
+    def _packed_into(self, all_ids, starts, lengths, out, budget, finite):
+        """[`features_into`] by packed rows: consecutive sequences, at most `budget` tokens a
+        row (a longer sequence alone), each row one forward and one copy into the ring."""
+        chunks, chunk, size = [], [], 0
+        for s, length in enumerate(lengths):
+            if length == 0:
+                continue
+            if chunk and size + length > budget:
+                chunks.append(chunk)
+                chunk, size = [], 0
+            chunk.append(s)
+            size += length
+        if chunk:
+            chunks.append(chunk)
+        for chunk in chunks:
+            a = starts[chunk[0]]
+            b = starts[chunk[-1]] + lengths[chunk[-1]]
+            ids = all_ids[a:b].to(self.device)
+            values = self._packed_row(ids, [lengths[s] for s in chunk]).to(self.feature_dtype)
+            if self.poison is not None:
+                hit = ids == self.poison
+                if bool(hit.any()):
+                    values[:, 0] = torch.where(hit, torch.nan, values[:, 0])
+            finite &= torch.isfinite(
+                values.view(b - a, len(self.indices), self.hidden)).all(dim=2).all(dim=0)
+            out[a:b].copy_(values, non_blocking=True)
+        return self._first_nonfinite(finite)

@@ -1,13 +1,19 @@
 """The torch target's features against `transformers`' own hidden states.
 
     python tests/check_target.py [--tol 1e-5] [--arch qwen3,llama,qwen3_moe,gemma3_text,gpt_oss]
+                                 [--packing off,on,varlen]
 
 For each architecture a tiny random model is made from a config (no download) and saved; the
-engine's `TorchTarget` loads it like any model directory and fills a packed batch of uneven
-lengths; the reference is `output_hidden_states=True` of each sequence run alone, entry `k + 1`
-for layer id `k` (the last entry after the final norm). Also checks that the comparison can fail:
-the same tokens run as one row (sequences attending across each other) differ from the reference.
-Prints one JSON line per architecture; exits 0 when every difference is within --tol (f32).
+engine's `TorchTarget` loads it like any model directory and fills a batch of uneven lengths
+(back to back in the ring's layout), once for each `--packing`: `off` runs rows of one length,
+`on` packed rows (positions restarting per sequence, each sequence's attention its own), with
+a budget that splits the batch over several rows, and `varlen` the packed rows as a GPU runs them,
+through one variable-length kernel per layer, here a reference kernel that follows
+`torch.nn.attention.varlen`'s documented contract (the GPU check runs the real one). The reference is `output_hidden_states=True`
+of each sequence run alone, entry `k + 1` for layer id `k` (the last entry after the final norm).
+Also checks that the comparison can fail: the same tokens run as one row (sequences attending
+across each other) differ from the reference. Prints one JSON line per architecture and packing;
+exits 0 when every difference is within --tol (f32).
 """
 
 import argparse
@@ -19,7 +25,11 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import dflash_orch.target as target_module  # noqa: E402
+import torch.nn.attention.varlen as varlen_module  # noqa: E402
 from dflash_orch.target import TorchTarget  # noqa: E402
+
+real_varlen = varlen_module.varlen_attn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import make_target  # noqa: E402
@@ -44,7 +54,39 @@ def reference(model, tokens, lengths, indices):
     return torch.cat(out)
 
 
-def check(arch, tol, work):
+def reference_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None,
+                     scale=None, window_size=(-1, -1), enable_gqa=False):
+    """`torch.nn.attention.varlen.varlen_attn` as its documentation states it, on any device:
+    `[tokens, heads, dim]` inputs, keys within `window_size` (left, right; -1 unbounded) of each
+    query in its own sequence, the log-sum-exp `[heads, tokens]` when asked. Stands in for the
+    GPU kernel so that the engine's wrapping of it (layout, windows, GQA, sinks) is checked here."""
+    assert torch.equal(cu_seq_q, cu_seq_k) and max_q == max_k
+    heads = query.shape[1]
+    if key.shape[1] != heads:
+        assert enable_gqa
+        key = key.repeat_interleave(heads // key.shape[1], dim=1)
+        value = value.repeat_interleave(heads // value.shape[1], dim=1)
+    scale = scale if scale is not None else query.shape[-1] ** -0.5
+    left, right = window_size
+    out, lse = torch.empty_like(query), torch.empty(heads, query.shape[0], dtype=torch.float32)
+    bounds = cu_seq_q.tolist()
+    for a, b in zip(bounds, bounds[1:]):
+        q, k, v = (t[a:b].transpose(0, 1).float() for t in (query, key, value))
+        scores = q @ k.transpose(1, 2) * scale
+        i = torch.arange(b - a).unsqueeze(1)
+        j = torch.arange(b - a).unsqueeze(0)
+        allowed = torch.ones(b - a, b - a, dtype=torch.bool)
+        if right >= 0:
+            allowed &= j <= i + right
+        if left >= 0:
+            allowed &= j >= i - left
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        lse[:, a:b] = torch.logsumexp(scores, dim=-1)
+        out[a:b] = (torch.softmax(scores, dim=-1) @ v).transpose(0, 1).to(out.dtype)
+    return (out, lse) if return_aux is not None and return_aux.lse else out
+
+
+def check(arch, packing, tol, work):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -58,12 +100,24 @@ def check(arch, tol, work):
     model.save_pretrained(path)
     layers = model.config.num_hidden_layers
     indices = [1, 3, layers]  # layer ids 0, 2 and the last (after the final norm)
-    target = TorchTarget(path, indices, torch.float32, torch.device("cpu"))
-    gen = torch.Generator().manual_seed(1)
-    lengths = [17, 5, 40, 17, 1, 23]
-    tokens = torch.randint(0, model.config.vocab_size, (sum(lengths),), generator=gen).tolist()
-    out = torch.zeros(sum(lengths), len(indices) * target.hidden)
-    nonfinite = target.features_into(tokens, lengths, out, token_budget=48)
+    varlen = packing == "varlen"
+    if varlen:  # the GPU's kernel path, through the reference kernel above
+        target_module.VARLEN_DEVICES.add("cpu")
+        target_module.VARLEN_DTYPES.add(torch.float32)
+        varlen_module.varlen_attn = reference_varlen
+    try:
+        target = TorchTarget(path, indices, torch.float32, torch.device("cpu"),
+                             packing="on" if varlen else packing)
+        gen = torch.Generator().manual_seed(1)
+        lengths = [17, 5, 40, 17, 1, 23]
+        tokens = torch.randint(0, model.config.vocab_size, (sum(lengths),),
+                               generator=gen).tolist()
+        out = torch.zeros(sum(lengths), len(indices) * target.hidden)
+        nonfinite = target.features_into(tokens, lengths, out, token_budget=48)
+    finally:
+        target_module.VARLEN_DEVICES.discard("cpu")
+        target_module.VARLEN_DTYPES.discard(torch.float32)
+        varlen_module.varlen_attn = real_varlen
     ref = reference(target.model, tokens, lengths, indices)
     diff = (out - ref).abs().max().item()
     # The comparison's power: one row of all sequences lets later ones attend to earlier ones.
@@ -72,7 +126,7 @@ def check(arch, tol, work):
     crossed = torch.cat([crossed[i][0] for i in indices], dim=-1)
     cross_diff = (crossed[lengths[0]:] - ref[lengths[0]:]).abs().max().item()
     ok = diff <= tol and nonfinite is None and cross_diff > 100 * tol
-    return ok, {"arch": arch, "max_abs_diff": diff, "tol": tol, "attention": target.attention,
+    return ok, {"arch": arch, "packing": target.packing, "max_abs_diff": diff, "tol": tol, "attention": target.attention,
                 "cross_sequence_diff": cross_diff, "nonfinite": nonfinite,
                 "scale": ref.abs().max().item()}
 
@@ -81,15 +135,17 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--tol", type=float, default=1e-5)
     p.add_argument("--arch", default="qwen3,llama,qwen3_moe,gemma3_text,gpt_oss")
+    p.add_argument("--packing", default="off,on,varlen")
     args = p.parse_args()
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     failed = False
     with tempfile.TemporaryDirectory() as work:
         for arch in args.arch.split(","):
-            ok, row = check(arch, args.tol, work)
-            row["ok"] = ok
-            print(json.dumps(row), flush=True)
-            failed |= not ok
+            for packing in args.packing.split(","):
+                ok, row = check(arch, packing, args.tol, work)
+                row["ok"] = ok
+                print(json.dumps(row), flush=True)
+                failed |= not ok
     sys.exit(1 if failed else 0)
 
 

@@ -88,6 +88,35 @@ fn a_dry_run_prints_the_plan_and_touches_nothing() {
     assert!(plan["plan"]["target"]["total"].as_u64().unwrap() > 0);
     assert!(plan["plan"]["drafter"]["optimiser"].as_u64().unwrap() > 0);
     assert!(plan["shm_bytes"].as_u64().unwrap() > 0);
+    // The torch target packs its rows by default on GPUs only, or as told.
+    assert_eq!(plan["target_packing"], false, "{plan}");
+    assert!(
+        text.contains("torch target in rows of one length"),
+        "{text}"
+    );
+    let packed = [&flags[..], &["--target-packing", "on"]].concat();
+    assert_eq!(
+        plan_json(&target, &run_dir, &packed)["target_packing"],
+        true
+    );
+    assert!(
+        stdout_ok(&dry_run(&target, &run_dir, &packed)).contains("torch target in packed rows")
+    );
+    let gpus = ["--gpus", "0-1", "--gpu-memory", "80", "--max-len", "64"];
+    assert_eq!(plan_json(&target, &run_dir, &gpus)["target_packing"], true);
+    let off = [&gpus[..], &["--target-packing", "off"]].concat();
+    assert_eq!(plan_json(&target, &run_dir, &off)["target_packing"], false);
+    let bad = dry_run(
+        &target,
+        &run_dir,
+        &[&flags[..], &["--target-packing", "yes"]].concat(),
+    );
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&bad.stderr).contains("\"yes\" is not auto, on or off"),
+        "{}",
+        String::from_utf8_lossy(&bad.stderr)
+    );
     assert!(!run_dir.exists(), "a dry run creates no run directory");
 }
 

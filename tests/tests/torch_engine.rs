@@ -187,10 +187,38 @@ fn the_torch_targets_features_equal_transformers_on_packed_batches() {
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
-    let archs: Vec<&str> = rows.iter().map(|r| r["arch"].as_str().unwrap()).collect();
+    // Each architecture three ways: rows of one length, packed rows on the CPU (each sequence's
+    // own attention) and packed rows through the variable-length kernel's contract.
+    let seen: Vec<(&str, &str)> = rows
+        .iter()
+        .map(|r| {
+            let packing = r["packing"].as_str().unwrap();
+            (
+                r["arch"].as_str().unwrap(),
+                packing.split(',').next().unwrap(),
+            )
+        })
+        .collect();
+    let mut expected = Vec::new();
+    for arch in ["qwen3", "llama", "qwen3_moe", "gemma3_text", "gpt_oss"] {
+        expected.extend([
+            (arch, "rows of one length"),
+            (arch, "packed"),
+            (arch, "packed"),
+        ]);
+    }
+    assert_eq!(seen, expected);
+    let kernels: Vec<&str> = rows
+        .iter()
+        .filter_map(|r| r["packing"].as_str().unwrap().strip_prefix("packed, "))
+        .collect();
     assert_eq!(
-        archs,
-        ["qwen3", "llama", "qwen3_moe", "gemma3_text", "gpt_oss"]
+        kernels,
+        [
+            "each sequence's own attention",
+            "one variable-length kernel"
+        ]
+        .repeat(5)
     );
     for r in &rows {
         assert_eq!(r["ok"], true, "{r}");
@@ -215,11 +243,14 @@ fn the_engines_train_alike_from_the_same_plan() {
     let mixed = dir.path().join("mixed");
     let torch = dir.path().join("torch");
     finish(launch(&candle, &target, "candle", &[]).spawn().unwrap());
-    finish(launch(&mixed, &target, MIXED, &[]).spawn().unwrap());
+    // The torch targets run packed rows (each sequence's own attention on a CPU); the later
+    // variants run rows of one length, the CPU's default.
+    let packed = ["--target-packing", "on"];
+    finish(launch(&mixed, &target, MIXED, &packed).spawn().unwrap());
     // The torch run's directory is given relative to where the launch runs: its Python sides
     // run elsewhere (a directory of their own) and still find their checkpoints.
     finish(
-        launch(Path::new("torch"), &target, "torch", &[])
+        launch(Path::new("torch"), &target, "torch", &packed)
             .current_dir(dir.path())
             .spawn()
             .unwrap(),
@@ -235,6 +266,7 @@ fn the_engines_train_alike_from_the_same_plan() {
     )
     .unwrap();
     assert_eq!(run["config"]["dflash"]["engines"], MIXED, "{run}");
+    assert_eq!(run["config"]["dflash"]["target_packing"], true, "{run}");
     assert_eq!(
         run["config"]["dflash"]["torch"]["python"],
         test_python().to_str().unwrap()

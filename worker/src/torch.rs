@@ -309,6 +309,7 @@ impl TargetStage {
             "dtype": settings.dtype.name(),
             "feature_dtype": settings.feature_dtype.name(),
             "token_budget": settings.token_budget,
+            "packing": if settings.target_packing { "on" } else { "off" },
             "ring": feature_ring,
             "threads": threads,
         }))?;
@@ -320,10 +321,11 @@ impl TargetStage {
         let layers = field("layers")? as usize;
         let vocab = u32::try_from(field("vocab")?).map_err(|e| e.to_string())?;
         tracing::info!(
-            "torch target: {} layers, hidden {}, {} attention on {}, ring {} (torch {}, transformers {})",
+            "torch target: {} layers, hidden {}, {} attention, {}, on {}, ring {} (torch {}, transformers {})",
             layers,
             field("hidden")?,
             init["attention"].as_str().unwrap_or("?"),
+            init["packing"].as_str().unwrap_or("rows of one length"),
             init["device"].as_str().unwrap_or("?"),
             init["ring"].as_str().unwrap_or("?"),
             init["torch"].as_str().unwrap_or("?"),

@@ -364,6 +364,15 @@ pub struct DflashFlags {
     /// into a chunk, so a count past one sequence's anchors runs several sequences in one pass.
     #[arg(long, value_name = "N|auto", default_value = "auto", value_parser = options::count_or_auto(1, 65_536))]
     pub anchor_chunk: options::CountOrAuto,
+
+    /// How the torch target runs a micro-batch: on packs its sequences into rows of up to the
+    /// budget (back to back, positions restarting; on a GPU one variable-length flash-attention
+    /// kernel per layer, on a CPU each sequence's own attention), off runs rows of one length
+    /// together (one forward per length on real data), auto is on for GPU workers. The features
+    /// are the same up to float rounding; a target the kernel cannot run (an option it lacks)
+    /// goes back to rows, saying why. Kept by --resume.
+    #[arg(long, value_name = "auto|on|off", default_value = "auto", value_parser = options::switch())]
+    pub target_packing: options::Switch,
 }
 
 impl DflashFlags {
@@ -453,6 +462,7 @@ impl DflashFlags {
             dtype: self.dtype.resolve(gpu),
             feature_dtype: self.feature_dtype.resolve(gpu),
             anchor_chunk: None,
+            target_packing: self.target_packing.resolve(gpu),
             on_nonfinite: self.on_nonfinite,
             eval_every: self.eval_every,
             fingerprint: Default::default(),
@@ -874,11 +884,16 @@ fn dry_run_text(d: &runtime::dry_run::DryRun) -> String {
     if let Some(p) = &d.plan {
         let _ = writeln!(
             out,
-            "dtype {}, features {}, anchor chunk {}\n",
+            "dtype {}, features {}, anchor chunk {}, torch target {}\n",
             d.dtype.as_deref().unwrap_or("-"),
             d.feature_dtype.as_deref().unwrap_or("-"),
             p.anchor_chunk
-                .map_or_else(|| "none (all anchors at once)".into(), |c| c.to_string())
+                .map_or_else(|| "none (all anchors at once)".into(), |c| c.to_string()),
+            if d.target_packing == Some(true) {
+                "in packed rows"
+            } else {
+                "in rows of one length"
+            }
         );
         // CPU workers: their resident memory also holds the ring pages they touch.
         let cpu = d.workers.iter().any(|w| w.contains("cpu:"));

@@ -152,6 +152,8 @@ pub struct DryRun {
     pub plan: Option<super::memory::MemoryPlan>,
     pub dtype: Option<String>,
     pub feature_dtype: Option<String>,
+    /// The torch target runs packed rows (`--target-packing`).
+    pub target_packing: Option<bool>,
     /// Bytes of `/dev/shm` the rings need, and what it has free.
     pub shm_bytes: u64,
     pub shm_free: Option<u64>,
@@ -305,6 +307,7 @@ pub fn dry_run(config: &RunConfig, gpu_memory: Option<u64>) -> Result<DryRun, Ru
         max_len: config.planner.max_len,
         dtype: config.dflash.as_ref().map(|d| d.dtype.to_string()),
         feature_dtype: config.dflash.as_ref().map(|d| d.feature_dtype.to_string()),
+        target_packing: config.dflash.as_ref().map(|d| d.target_packing),
         plan,
         shm_bytes: rings.total,
         shm_free: free,

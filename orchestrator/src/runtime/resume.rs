@@ -180,6 +180,7 @@ pub const OPTIONS: &[(&str, &[&str], OnResume)] = &[
     ("dtype", &["dflash", "dtype"], Compared),
     ("feature-dtype", &["dflash", "feature_dtype"], Compared),
     ("anchor-chunk", &["dflash", "anchor_chunk"], Compared),
+    ("target-packing", &["dflash", "target_packing"], Compared),
     ("engine", &["dflash", "engines"], Compared),
     // The held-out samples leave the plans: they may not change.
     ("eval-holdout", &["eval", "holdout"], Compared),
