@@ -28,6 +28,11 @@ Started by scripts/gpu-check (which see for the usage). Steps, each recorded in 
                 engines (dflash-worker --drafter-bench, python -m dflash_orch.bench_step; the
                 torch drafter's batched step and its legacy per-sequence path): tokens/s and MFU
                 beside the accounting benchmark's projection (--cpu: a tiny shape)
+  target_step   the torch target's micro-batch at the seeds' shape (Qwen3-8B widths up to the last
+                feature layer, budget 49,152, sequences of about 2,048 and 8,192 tokens) in rows
+                of one length and packed (python -m dflash_orch.bench_target): tokens/s, MFU and
+                the accounting's projection of each, the packed features' difference from the
+                rows'; tiny Qwen3 and gpt-oss targets packed against their rows (--cpu: tiny)
   topology      --topology auto against this GPU: the split of 8 GPUs that the pytorch step's
                 measured target and drafter costs balance, beside the one auto picks from its
                 FLOP model (launch --dry-run, same model, settings and batch shape), and the
@@ -1353,6 +1358,9 @@ def main():
             args.launch_arg += ["--draft-layers", "1"]
         if "--num-anchors" not in have:
             args.launch_arg += ["--num-anchors", "16"]
+    # The steps run in their own directories: a Python named by a relative path is resolved here.
+    if os.sep in args.python:
+        args.python = os.path.abspath(args.python)
     for name in ("samples", "max_len", "token_budget", "save_every", "seeds_steps"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
