@@ -26,8 +26,9 @@ Started by scripts/gpu-check (which see for the usage). Steps, each recorded in 
   drafter_step  one drafter training step at the seeds' shape (Qwen3-8B widths, 5 layers, 6
                 sequences of 8,192 tokens = budget 49,152, 512 anchors, block 16, bf16) on both
                 engines (dflash-worker --drafter-bench, python -m dflash_orch.bench_step; the
-                torch drafter's batched step and its legacy per-sequence path): tokens/s and MFU
-                beside the accounting benchmark's projection (--cpu: a tiny shape)
+                torch drafter's batched step, eager and compiled, and its legacy per-sequence
+                path): tokens/s and MFU beside the accounting benchmark's projection, and what
+                compiling cost (--cpu: a tiny shape)
   target_step   the torch target's micro-batch at the seeds' shape (Qwen3-8B widths up to the last
                 feature layer, budget 49,152, sequences of about 2,048 and 8,192 tokens) in rows
                 of one length and packed (python -m dflash_orch.bench_target): tokens/s, MFU and
@@ -1036,8 +1037,12 @@ def step_drafter_step(ctx):
            "bf16_peak_flops": peak}
     pkg = package_dir(ctx)
     failures = []
-    for engine in ("candle", "torch", "torch_legacy"):
+    for engine in ("candle", "torch", "torch_compiled", "torch_legacy"):
         one = dict(req, anchor_chunk=planned_chunk(ctx, engine.split("_")[0], req))
+        if engine == "torch_compiled":
+            # The batched step with its elementwise chains compiled (`--drafter-compile`): the
+            # gain over `torch` and what compiling cost (`compile_s`).
+            one["compile"] = True
         env = dict(ctx.worker_env if engine == "candle" else ctx.env)
         env["CUDA_VISIBLE_DEVICES"] = gpu or ""
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
@@ -1072,6 +1077,9 @@ def step_drafter_step(ctx):
         res[engine] = r
     if res.get("candle", {}).get("median_s") and res.get("torch", {}).get("median_s"):
         res["torch_over_candle"] = round(res["candle"]["median_s"] / res["torch"]["median_s"], 3)
+    if res.get("torch", {}).get("median_s") and res.get("torch_compiled", {}).get("median_s"):
+        res["compiled_over_eager"] = round(
+            res["torch"]["median_s"] / res["torch_compiled"]["median_s"], 3)
     if not ctx.cpu:
         # The accounting benchmark's projection of the same step (scripts/bench-step-account),
         # beside what the GPU measured.
@@ -1087,7 +1095,8 @@ def step_drafter_step(ctx):
         except (OSError, subprocess.SubprocessError, ValueError, KeyError):
             projected = None
         if projected:
-            for engine, column in (("torch", "batched 8192"), ("torch_legacy", "legacy 8192")):
+            for engine, column in (("torch", "batched 8192"), ("torch_compiled", "batched 8192"),
+                                   ("torch_legacy", "legacy 8192")):
                 p = projected[column]
                 res.setdefault(engine, {})["projected"] = {
                     k: p[k] for k in ("step_s", "mfu", "tokens_per_s", "executed_over_useful",
@@ -1373,6 +1382,10 @@ def main():
         return 2
     ctx.work = os.path.abspath(args.work) if args.work else tempfile.mkdtemp(prefix="gpu-check.")
     os.makedirs(ctx.work, exist_ok=True)
+    # torch.compile's caches (code the compiler loads again) in the check's own directory, never
+    # the shared /tmp they default to; the runs it launches keep theirs in their run directories.
+    for name, sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):
+        os.environ[name] = os.path.join(ctx.work, ".torch-compile", sub)
     ctx.worker_env = child_env(args, ctx.worker, libraries=True)
     ctx.env = child_env(args, ctx.worker, libraries=args.cpu)
     ctx.dtype_flags = "--dtype" in help_text(ctx.orch, "launch")
@@ -1423,7 +1436,8 @@ def main():
         "torch_crash_resume_max_rel_deviation":
             ctx.results.get("torch_crash_resume", {}).get("max_rel_deviation"),
         "seeds_drafter_step": {e: {k: (ctx.results.get("drafter_step", {}).get(e) or {}).get(k)
-                                   for k in ("tokens_per_s", "mfu", "anchor_chunk")} for e in ("candle", "torch")},
+                                   for k in ("tokens_per_s", "mfu", "anchor_chunk", "compile_s")}
+                               for e in ("candle", "torch", "torch_compiled")},
         "seeds_target_step": {seq: {k: (one.get(k) or {}).get("mfu") for k in ("rows", "packed")}
                               for seq, one in
                               (ctx.results.get("target_step", {}).get("lengths") or {}).items()},

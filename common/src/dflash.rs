@@ -76,6 +76,11 @@ pub struct DflashSettings {
     /// Off in runs from before it existed.
     #[serde(default)]
     pub target_packing: bool,
+    /// The torch drafter compiles its elementwise chains (RMSNorm, rotary embedding, SiLU
+    /// gating, the loss's softmax gradient) with `torch.compile`. Off in runs from before it
+    /// existed.
+    #[serde(default)]
+    pub drafter_compile: bool,
     /// What a NaN or infinity in the features, the loss or the gradients does: stop the run
     /// (naming where it appeared), or skip that optimiser step (journalled and counted).
     #[serde(default)]

@@ -166,7 +166,8 @@ pub fn module_command(
     (command, dropped)
 }
 
-/// Sets what every Python child gets: `cwd`, the safe `PYTHONPATH` (or none), `PYTHONSAFEPATH`.
+/// Sets what every Python child gets: `cwd`, the safe `PYTHONPATH` (or none), `PYTHONSAFEPATH`,
+/// torch.compile's caches under `cwd`.
 pub fn safe_environment(
     command: &mut Command,
     package_dir: Option<&Path>,
@@ -177,9 +178,15 @@ pub fn safe_environment(
         Some(path) => command.env("PYTHONPATH", path),
         None => command.env_remove("PYTHONPATH"),
     };
+    // torch.compile's caches hold code the compiler loads again (Inductor's and Triton's
+    // kernels): kept under the child's own directory, never a shared one such as /tmp, where
+    // another user could plant them.
+    let cache = cwd.join(".torch-compile");
     command
         .env("PYTHONSAFEPATH", "1")
         .env_remove("PYTHONSTARTUP")
+        .env("TORCHINDUCTOR_CACHE_DIR", cache.join("inductor"))
+        .env("TRITON_CACHE_DIR", cache.join("triton"))
         .current_dir(cwd);
     dropped
 }
@@ -275,6 +282,21 @@ mod tests {
         assert_eq!(args[0], "-c");
         assert_eq!(args[2], "dflash_orch.serve");
         assert_eq!(command.get_current_dir(), Some(Path::new("/")));
+    }
+
+    #[test]
+    fn the_compilers_caches_live_under_the_childs_directory() {
+        let run = Path::new("/runs/r1");
+        let (command, _) = module_command(Path::new("python3"), None, "dflash_orch.serve", run);
+        let env: std::collections::HashMap<_, _> = command.get_envs().collect();
+        for (name, dir) in [
+            ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
+            ("TRITON_CACHE_DIR", "triton"),
+        ] {
+            let value = env[std::ffi::OsStr::new(name)].expect(name);
+            assert_eq!(Path::new(value), run.join(".torch-compile").join(dir));
+        }
+        assert_eq!(env[std::ffi::OsStr::new("PYTHONPATH")], None);
     }
 
     #[test]

@@ -21,7 +21,7 @@ import time
 
 FIELDS = {"target", "draft_layers", "target_layer_ids", "block_size", "num_anchors",
           "anchor_chunk", "sequences", "seq_len", "prompt", "dtype", "gamma", "warmup", "steps",
-          "seed"}
+          "seed", "compile"}
 
 
 class BadRequest(ValueError):
@@ -64,6 +64,8 @@ def parse(text):
         raise BadRequest("target_layer_ids must be a non-empty list")
     if req.get("anchor_chunk") is not None:
         count(req, "anchor_chunk")
+    if not isinstance(req.get("compile", False), bool):
+        raise BadRequest(f"compile must be true or false, got {req.get('compile')!r}")
     if req.get("dtype") not in ("f32", "bf16"):
         raise BadRequest(f"dtype must be f32 or bf16, got {req.get('dtype')!r}")
     if t["num_attention_heads"] % t["num_key_value_heads"]:
@@ -81,7 +83,8 @@ def filler(rows, cols, k, scale, dtype, device):
 
 
 def drafter_for(target, draft_layers, block_size, states, dtype, device, heads=None, gamma=None,
-                anchor_chunk=None, weight_decay=0.01, rope_theta=None, mask_token_id=None, seed=0):
+                anchor_chunk=None, weight_decay=0.01, rope_theta=None, mask_token_id=None, seed=0,
+                compile_=False):
     """A torch drafter for a target of `config.json` fields `target`, with fresh weights from
     `seed` (no checkpoint) and the target's embedding and lm_head `heads` (the fillers of
     `dflash-worker --drafter-bench` when not given)."""
@@ -97,7 +100,7 @@ def drafter_for(target, draft_layers, block_size, states, dtype, device, heads=N
                   "rope_theta": rope_theta or target.get("rope_theta", 1e4), "vocab": vocab},
         "block_size": block_size, "mask_token_id": vocab - 1 if mask_token_id is None else mask_token_id,
         "states": states, "gamma": gamma, "distill": None, "anchor_chunk": anchor_chunk,
-        "weight_decay": weight_decay, "dtype": dtype, "feature_dtype": dtype,
+        "weight_decay": weight_decay, "dtype": dtype, "feature_dtype": dtype, "compile": compile_,
     }
     if heads is None:
         compute = dtype_of(dtype)
@@ -119,7 +122,8 @@ def run(req):
     compute = dtype_of(req["dtype"])
     drafter = drafter_for(t, req["draft_layers"], req["block_size"], len(req["target_layer_ids"]),
                           req["dtype"], device, gamma=req.get("gamma"),
-                          anchor_chunk=req.get("anchor_chunk"), seed=req.get("seed", 0))
+                          anchor_chunk=req.get("anchor_chunk"), seed=req.get("seed", 0),
+                          compile_=req.get("compile", False))
     n, length, prompt = req["sequences"], req["seq_len"], req["prompt"]
     tokens_n = n * length
     width = len(req["target_layer_ids"]) * hidden
@@ -152,6 +156,7 @@ def run(req):
     return {
         "engine": "torch", "torch": torch.__version__, "device": str(device),
         "dtype": req["dtype"], "attention": drafter.attention, "path": drafter.path,
+        "kernels": drafter.k.label, "compile_s": drafter.k.compile_s,
         "tokens": tokens_n,
         "step_s": times, "median_s": median, "tokens_per_s": tokens_n / median,
         "losses": losses,

@@ -220,21 +220,38 @@ class LinearCE(torch.autograd.Function):
     order autograd would scale in): the first output is `total * scale`, the one to call
     `backward` on; the second the total itself, detached.
 
+    With `kernels` fusing the loss (`fused.Kernels.fused_ce`, `--drafter-compile`), a piece's
+    cross-entropy and gradient come from two compiled kernels that read its logits once each
+    (the same values up to float rounding); otherwise operation by operation.
+
     Returns (scaled total `[]`, total `[]` f32, greedy hits `[n]` bool, per-row cross-entropy
     `[n]` f32).
     """
 
     @staticmethod
-    def forward(ctx, x, head, targets, weights, counted, block, rows, alpha, scale):
+    def forward(ctx, x, head, targets, weights, counted, block, rows, alpha, scale, kernels=None):
         n = x.shape[0]
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         dx = torch.empty_like(x)
         total = torch.zeros((), dtype=acc, device=x.device)
         hits = torch.empty(n, dtype=torch.bool, device=x.device)
         gold = torch.empty(n, dtype=acc, device=x.device)
+        fused = kernels is not None and kernels.fused_ce
         for i in range(0, n, rows):
             j = min(i + rows, n)
             logits = x[i:j] @ head.t()
+            if fused:
+                lse, ce, hit = kernels.ce_rows(logits, targets[i:j], acc)
+                w = weights[i:j]
+                if alpha is not None:
+                    w = (dpace_weights(torch.exp(-ce), counted[i:j], block, alpha)
+                         * w.to(torch.float64)).to(torch.float32)
+                w = w.to(acc)
+                total += (ce * w).sum()
+                hits[i:j] = hit
+                gold[i:j] = ce
+                dx[i:j] = kernels.ce_grad(logits, targets[i:j], lse, w * scale, x.dtype) @ head
+                continue
             log_p = torch.log_softmax(logits, dim=-1, dtype=acc)
             t = targets[i:j].unsqueeze(1)
             ce = -log_p.gather(1, t).squeeze(1)
@@ -258,7 +275,8 @@ class LinearCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_scaled, _total, _hits, _gold):
         (dx,) = ctx.saved_tensors
-        return (dx * grad_scaled.to(dx.dtype), None, None, None, None, None, None, None, None)
+        return (dx * grad_scaled.to(dx.dtype), None, None, None, None, None, None, None, None,
+                None)
 
 
 def flex_available(device):

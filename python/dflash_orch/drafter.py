@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from . import blocks
+from . import blocks, fused
 from .blocks import dpace_weights  # noqa: F401 - the drafter's D-PACE, imported from here too
 from .target import device_for, dtype_of
 
@@ -60,14 +60,6 @@ def compile_flag():
     return value == "1"
 
 
-def rms_norm(x, weight, eps):
-    """RMSNorm in f32 whatever `x`'s dtype, returned in `x`'s dtype (`weight` an f32 master)."""
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return (x * weight).to(dtype)
-
-
 def rope_tables(positions, head_dim, theta):
     """cos and sin `[..., head_dim]` for positions of any shape, as the candle drafter computes
     them (inverse frequencies in f64, rounded to f32; angles in f32)."""
@@ -77,11 +69,6 @@ def rope_tables(positions, head_dim, theta):
     angles = positions.to(torch.float32).unsqueeze(-1) * inv
     cos, sin = angles.cos(), angles.sin()
     return torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
-
-
-def rotate_half(x):
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
 def block_weights(loss_mask, anchors, block, gamma):
@@ -266,6 +253,14 @@ class TorchDrafter:
         self.path = step_path()
         self.flex = blocks.flex_available(device)
         self.compile = compile_flag()
+        # The elementwise chains (`--drafter-compile`): compiled on the batched path when the
+        # request asks, else eager (the drafter's arithmetic as it always was).
+        self.k = fused.EAGER
+        want = req.get("compile", False)
+        if not isinstance(want, bool):
+            raise ValueError(f"compile {want!r}: expected true or false")
+        if want and self.path == "batched":
+            self.k = fused.compiled(device, self.compute)
         self.fused_adam = device.type == "cuda"
         self.attention = "flex" if self.flex and self.path == "batched" else "sdpa"
         # bf16 working copies of the weights, made once per optimiser step (batched path).
@@ -524,15 +519,14 @@ class TorchDrafter:
         context of every token (`positions`: each token's position in its sequence)."""
         s, d = features.shape[0], self.head_dim
         ctx = F.linear(features.to(self.compute), self.w("fc.weight"))
-        ctx = rms_norm(ctx, self.P["hidden_norm.weight"], self.eps)
+        ctx = self.k.rms_norm(ctx, self.P["hidden_norm.weight"], self.eps)
         cos, sin = rope_tables(positions, d, self.theta)
         cos, sin = cos.to(self.compute).unsqueeze(1), sin.to(self.compute).unsqueeze(1)
         out = []
         for i in range(self.layers):
             p = f"layers.{i}.self_attn."
             k = F.linear(ctx, self.w(p + "k_proj.weight")).view(s, self.kv_heads, d)
-            k = rms_norm(k, self.P[p + "k_norm.weight"], self.eps)
-            k = k * cos + rotate_half(k) * sin
+            k = self.k.norm_rope(k, self.P[p + "k_norm.weight"], self.eps, cos, sin)
             v = F.linear(ctx, self.w(p + "v_proj.weight")).view(s, self.kv_heads, d)
             out.append((k, v))
         return out
@@ -587,33 +581,35 @@ class TorchDrafter:
         n, b, h = x.shape
         d = self.head_dim
         d2 = self.dflash2
+        k = self.k
+        # Each residual sum is normed in the same chain: by the next layer's input norm, the
+        # last by the final norm.
+        norms = [f"layers.{i}.input_layernorm.weight" for i in range(len(context))]
+        norms.append("norm.weight")
+        hn = k.rms_norm(x, self.P[norms[0]], self.eps)
         for i, (kc, vc) in enumerate(context):
             p = f"layers.{i}."
-            hn = rms_norm(x, self.P[p + "input_layernorm.weight"], self.eps)
             if d2:
                 hn, after = self._conv_prepare(hn, p + "attention_conv.")
             q = F.linear(hn, self.w(p + "self_attn.q_proj.weight")).view(n, b, self.heads, d)
-            q = rms_norm(q, self.P[p + "self_attn.q_norm.weight"], self.eps)
-            q = q * cos + rotate_half(q) * sin
+            q = k.norm_rope(q, self.P[p + "self_attn.q_norm.weight"], self.eps, cos, sin)
             kb = F.linear(hn, self.w(p + "self_attn.k_proj.weight")).view(n, b, self.kv_heads, d)
-            kb = rms_norm(kb, self.P[p + "self_attn.k_norm.weight"], self.eps)
-            kb = kb * cos + rotate_half(kb) * sin
+            kb = k.norm_rope(kb, self.P[p + "self_attn.k_norm.weight"], self.eps, cos, sin)
             vb = F.linear(hn, self.w(p + "self_attn.v_proj.weight")).view(n, b, self.kv_heads, d)
             out = attend(kc, vc, q, kb, vb).reshape(n, b, self.heads * d)
             out = F.linear(out, self.w(p + "self_attn.o_proj.weight"))
             if d2:
                 out = after(out)
-            x = x + out
-            hn = rms_norm(x, self.P[p + "post_attention_layernorm.weight"], self.eps)
+            x, hn = k.add_norm(x, out, self.P[p + "post_attention_layernorm.weight"], self.eps)
             if d2:
                 hn, after = self._conv_prepare(hn, p + "mlp_conv.")
-            act = F.silu(F.linear(hn, self.w(p + "mlp.gate_proj.weight"))) * F.linear(
-                hn, self.w(p + "mlp.up_proj.weight"))
+            act = k.swiglu(F.linear(hn, self.w(p + "mlp.gate_proj.weight")),
+                           F.linear(hn, self.w(p + "mlp.up_proj.weight")))
             out = F.linear(act, self.w(p + "mlp.down_proj.weight"))
             if d2:
                 out = after(out)
-            x = x + out
-        return rms_norm(x, self.P["norm.weight"], self.eps).reshape(n * b, h)
+            x, hn = k.add_norm(x, out, self.P[norms[i + 1]], self.eps)
+        return hn.reshape(n * b, h)
 
     def _conv_prepare(self, hn, prefix):
         """DFlash2's convolution before a sublayer (of its normed input `hn` `[a, b, hidden]`),
@@ -671,7 +667,7 @@ class TorchDrafter:
         if self._batched and taught is None and self.dflash2 is None:
             rows = max(b, self.loss_rows // b * b)
             scaled, total, hits, _ = blocks.LinearCE.apply(
-                x, self.lm_head, targets, weights, counted, b, rows, self.dpace, scale)
+                x, self.lm_head, targets, weights, counted, b, rows, self.dpace, scale, self.k)
             on = counted.view(a, b)
             return total, hits.view(a, b) & on, on, None, scaled
         step = self.loss_rows

@@ -153,6 +153,7 @@ class Server:
             return {
                 "protocol": PROTOCOL,
                 "attention": self.drafter.attention,
+                "compile": self.drafter.k.label,
                 "device": str(self.drafter.device),
                 "ring": ring,
                 "torch": torch.__version__,

@@ -106,6 +106,21 @@ fn a_dry_run_prints_the_plan_and_touches_nothing() {
     assert_eq!(plan_json(&target, &run_dir, &gpus)["target_packing"], true);
     let off = [&gpus[..], &["--target-packing", "off"]].concat();
     assert_eq!(plan_json(&target, &run_dir, &off)["target_packing"], false);
+    // The torch drafter compiles its chains by default on GPUs only, or as told.
+    assert_eq!(plan["drafter_compile"], false, "{plan}");
+    assert!(text.contains("torch drafter eager"), "{text}");
+    let compiled = [&flags[..], &["--drafter-compile", "on"]].concat();
+    assert_eq!(
+        plan_json(&target, &run_dir, &compiled)["drafter_compile"],
+        true
+    );
+    assert!(stdout_ok(&dry_run(&target, &run_dir, &compiled)).contains("torch drafter compiled"));
+    assert_eq!(plan_json(&target, &run_dir, &gpus)["drafter_compile"], true);
+    let eager = [&gpus[..], &["--drafter-compile", "off"]].concat();
+    assert_eq!(
+        plan_json(&target, &run_dir, &eager)["drafter_compile"],
+        false
+    );
     let bad = dry_run(
         &target,
         &run_dir,

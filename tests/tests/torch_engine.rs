@@ -101,10 +101,6 @@ fn assert_losses_agree(a: &[(u64, f64)], b: &[(u64, f64)], steps: usize, tol: f6
     );
 }
 
-/// The torch target's features equal `transformers`' `hidden_states[k + 1]` (f32, 1e-5) on a
-/// packed batch of uneven lengths, for Qwen3, Llama with llama3 rope scaling, Qwen3-MoE,
-/// Gemma-3 (sliding-window layers) and gpt-oss (attention sinks; eager attention on CPU); and
-/// the same tokens run as one row (sequences attending across) differ, so the check can fail.
 /// DFlash2 against the official package's `DFlash2DraftModel` on random weights (every tensor,
 /// the convolutions' and the selector's included), with full and with sliding-window layers:
 /// the final hidden states and the logits within 1e-5 (relative to the largest value), the
@@ -113,22 +109,8 @@ fn assert_losses_agree(a: &[(u64, f64)], b: &[(u64, f64)], steps: usize, tol: f6
 /// dynamic kernels, or dropping the window, moves the states: the check can fail.
 #[test]
 fn the_dflash2_drafter_computes_what_the_official_model_computes() {
-    let out = Command::new(test_python())
-        .arg(workspace_root().join("python/tests/check_dflash2.py"))
-        .args(["--tol", "1e-5"])
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let rows: Vec<Value> = stdout
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    assert_eq!(rows.len(), 6, "{stdout}");
+    let rows = python_check("check_dflash2.py", &["--tol", "1e-5"], &[]);
+    assert_eq!(rows.len(), 6, "{rows:?}");
     assert!(rows.iter().any(|r| r["window"].is_null()));
     assert!(rows.iter().any(|r| r["window"] == 3));
     for r in &rows {
@@ -143,7 +125,29 @@ fn the_dflash2_drafter_computes_what_the_official_model_computes() {
         assert_eq!(r["candidates_equal"], true, "{r}");
         assert!(r["perturbed_diff"].as_f64().unwrap() > 1e-3, "{r}");
     }
+}
+
+/// Runs `python/tests/NAME` with `args` (and `env`), which must exit 0; its JSON lines.
+fn python_check(name: &str, args: &[&str], env: &[(&str, PathBuf)]) -> Vec<Value> {
+    let out = Command::new(test_python())
+        .arg(workspace_root().join("python/tests").join(name))
+        .args(args)
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{name}: {stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     eprintln!("{stdout}");
+    stdout
+        .lines()
+        .map(|l| {
+            serde_json::from_str(l).unwrap_or_else(|e| panic!("{name}: {e} in {l:?}: {stdout}"))
+        })
+        .collect()
 }
 
 /// The batched drafter step's pieces on CPU (python/tests/check_blocks.py), on random anchors,
@@ -170,23 +174,42 @@ fn the_block_mask_from_anchors_equals_the_dense_mask_and_flex_equals_sdpa() {
     }
 }
 
+/// `--drafter-compile` on CPU (python/tests/check_compile.py): the drafter with its elementwise
+/// chains compiled by `torch.compile` trains three micro-batches as the eager one does (losses,
+/// accepted counts, gradient norms within 1e-5 relative; the first micro-batch's gradients
+/// too), with and without D-PACE; the compile really happened (no silent fall-back to eager);
+/// and a perturbed drafter differs, so the comparison can fail.
+#[test]
+fn the_compiled_drafter_trains_as_the_eager_one() {
+    // The compiler's caches in a private directory of the test's own.
+    let cache = tempfile::tempdir().unwrap();
+    let rows = python_check(
+        "check_compile.py",
+        &["--tol", "1e-5", "--steps", "3"],
+        &[
+            ("TORCHINDUCTOR_CACHE_DIR", cache.path().join("inductor")),
+            ("TRITON_CACHE_DIR", cache.path().join("triton")),
+        ],
+    );
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    for r in &rows {
+        assert_eq!(r["ok"], true, "{r}");
+        assert!(
+            r["kernels"].as_str().unwrap().starts_with("compiled"),
+            "{r}"
+        );
+        assert!(r["worst"]["grads"].as_f64().unwrap() <= 1e-5, "{r}");
+    }
+    assert!(rows[1]["dpace"].as_f64().is_some(), "{rows:?}");
+}
+
+/// The torch target's features equal `transformers`' `hidden_states[k + 1]` (f32, 1e-5) on a
+/// packed batch of uneven lengths, for Qwen3, Llama with llama3 rope scaling, Qwen3-MoE,
+/// Gemma-3 (sliding-window layers) and gpt-oss (attention sinks; eager attention on CPU); and
+/// the same tokens run as one row (sequences attending across) differ, so the check can fail.
 #[test]
 fn the_torch_targets_features_equal_transformers_on_packed_batches() {
-    let out = Command::new(test_python())
-        .arg(workspace_root().join("python/tests/check_target.py"))
-        .args(["--tol", "1e-5"])
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let rows: Vec<Value> = stdout
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let rows = python_check("check_target.py", &["--tol", "1e-5"], &[]);
     // Each architecture three ways: rows of one length, packed rows on the CPU (each sequence's
     // own attention) and packed rows through the variable-length kernel's contract.
     let seen: Vec<(&str, &str)> = rows
@@ -225,7 +248,6 @@ fn the_torch_targets_features_equal_transformers_on_packed_batches() {
         assert!(r["max_abs_diff"].as_f64().unwrap() <= 1e-5, "{r}");
         assert!(r["cross_sequence_diff"].as_f64().unwrap() > 1e-3, "{r}");
     }
-    eprintln!("{stdout}");
 }
 
 /// The engines train alike, from the same plan and initial weights: the torch drafter's per-step

@@ -475,6 +475,7 @@ impl DrafterEngine {
             "dflash2": config.dflash2,
             "sliding_window": config.sliding_window,
             "anchor_chunk": settings.anchor_chunk,
+            "compile": settings.drafter_compile,
             "weight_decay": settings.weight_decay,
             "dtype": settings.dtype.name(),
             "feature_dtype": settings.feature_dtype.name(),
@@ -487,8 +488,9 @@ impl DrafterEngine {
         let _ = std::fs::remove_dir_all(&engine.exchange);
         let init = init?;
         tracing::info!(
-            "torch drafter: {} attention on {}, ring {} (torch {})",
+            "torch drafter: {} attention, kernels {}, on {}, ring {} (torch {})",
             init["attention"].as_str().unwrap_or("?"),
+            init["compile"].as_str().unwrap_or("eager"),
             init["device"].as_str().unwrap_or("?"),
             init["ring"].as_str().unwrap_or("?"),
             init["torch"].as_str().unwrap_or("?"),

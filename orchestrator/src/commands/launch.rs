@@ -373,6 +373,15 @@ pub struct DflashFlags {
     /// goes back to rows, saying why. Kept by --resume.
     #[arg(long, value_name = "auto|on|off", default_value = "auto", value_parser = options::switch())]
     pub target_packing: options::Switch,
+
+    /// Whether the torch drafter compiles its elementwise chains with torch.compile (RMSNorm,
+    /// rotary embedding, SiLU gating, the loss's softmax gradient: one fused kernel each instead
+    /// of one per operation): auto is on for GPU workers. The same values up to float rounding;
+    /// compiling costs seconds at the drafter's start (its log says how many), and a compiler
+    /// that fails leaves the eager chains, saying why. The candle drafter has none. Kept by
+    /// --resume.
+    #[arg(long, value_name = "auto|on|off", default_value = "auto", value_parser = options::switch())]
+    pub drafter_compile: options::Switch,
 }
 
 impl DflashFlags {
@@ -463,6 +472,7 @@ impl DflashFlags {
             feature_dtype: self.feature_dtype.resolve(gpu),
             anchor_chunk: None,
             target_packing: self.target_packing.resolve(gpu),
+            drafter_compile: self.drafter_compile.resolve(gpu),
             on_nonfinite: self.on_nonfinite,
             eval_every: self.eval_every,
             fingerprint: Default::default(),
@@ -884,7 +894,7 @@ fn dry_run_text(d: &runtime::dry_run::DryRun) -> String {
     if let Some(p) = &d.plan {
         let _ = writeln!(
             out,
-            "dtype {}, features {}, anchor chunk {}, torch target {}\n",
+            "dtype {}, features {}, anchor chunk {}, torch target {}, torch drafter {}\n",
             d.dtype.as_deref().unwrap_or("-"),
             d.feature_dtype.as_deref().unwrap_or("-"),
             p.anchor_chunk
@@ -893,6 +903,11 @@ fn dry_run_text(d: &runtime::dry_run::DryRun) -> String {
                 "in packed rows"
             } else {
                 "in rows of one length"
+            },
+            if d.drafter_compile == Some(true) {
+                "compiled"
+            } else {
+                "eager"
             }
         );
         // CPU workers: their resident memory also holds the ring pages they touch.

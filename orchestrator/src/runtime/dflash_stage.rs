@@ -312,18 +312,20 @@ pub(super) fn fingerprint(
         ),
         (
             "precision",
-            digest([json(if settings.target_packing {
-                // Added later: packed rows round the features otherwise (runs without stay as
-                // they were).
-                serde_json::json!({
-                    "dtype": settings.dtype, "feature_dtype": settings.feature_dtype,
-                    "anchor_chunk": settings.anchor_chunk, "target_packing": true,
-                })
-            } else {
-                serde_json::json!({
+            digest([json({
+                let mut p = serde_json::json!({
                     "dtype": settings.dtype, "feature_dtype": settings.feature_dtype,
                     "anchor_chunk": settings.anchor_chunk,
-                })
+                });
+                // Added later, each only when on (runs without stay as they were): packed rows
+                // round the features otherwise, compiled chains the drafter's arithmetic.
+                if settings.target_packing {
+                    p["target_packing"] = true.into();
+                }
+                if settings.drafter_compile {
+                    p["drafter_compile"] = true.into();
+                }
+                p
             })
             .as_slice()]),
         ),

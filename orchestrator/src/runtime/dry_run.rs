@@ -154,6 +154,8 @@ pub struct DryRun {
     pub feature_dtype: Option<String>,
     /// The torch target runs packed rows (`--target-packing`).
     pub target_packing: Option<bool>,
+    /// The torch drafter compiles its elementwise chains (`--drafter-compile`).
+    pub drafter_compile: Option<bool>,
     /// Bytes of `/dev/shm` the rings need, and what it has free.
     pub shm_bytes: u64,
     pub shm_free: Option<u64>,
@@ -308,6 +310,7 @@ pub fn dry_run(config: &RunConfig, gpu_memory: Option<u64>) -> Result<DryRun, Ru
         dtype: config.dflash.as_ref().map(|d| d.dtype.to_string()),
         feature_dtype: config.dflash.as_ref().map(|d| d.feature_dtype.to_string()),
         target_packing: config.dflash.as_ref().map(|d| d.target_packing),
+        drafter_compile: config.dflash.as_ref().map(|d| d.drafter_compile),
         plan,
         shm_bytes: rings.total,
         shm_free: free,

@@ -181,6 +181,7 @@ pub const OPTIONS: &[(&str, &[&str], OnResume)] = &[
     ("feature-dtype", &["dflash", "feature_dtype"], Compared),
     ("anchor-chunk", &["dflash", "anchor_chunk"], Compared),
     ("target-packing", &["dflash", "target_packing"], Compared),
+    ("drafter-compile", &["dflash", "drafter_compile"], Compared),
     ("engine", &["dflash", "engines"], Compared),
     // The held-out samples leave the plans: they may not change.
     ("eval-holdout", &["eval", "holdout"], Compared),
