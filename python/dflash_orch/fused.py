@@ -101,13 +101,15 @@ def _warm(k, device, dtype):
         return torch.randn(*shape, generator=g).to(device=device, dtype=dt).requires_grad_(grad)
 
     w = t(8, dt=torch.float32)
-    cos, sin = t(3, 4, 1, 8, grad=False), t(3, 4, 1, 8, grad=False)
-    x = t(3, 4, 2, 8)
-    k.norm_rope(x, w, 1e-6, cos, sin).float().sum().backward()
-    h = t(3, 4, 8)
-    y, n = k.add_norm(h, t(3, 4, 8), w, 1e-6)
+    # The ranks the drafter calls them with: the context's `[tokens, heads, head_dim]` and
+    # `[tokens, hidden]`, the blocks' `[anchors, block, heads, head_dim]` and `[anchors, block,
+    # hidden]` (another rank is another graph).
+    for lead in ((3,), (3, 4)):
+        cos, sin = t(*lead, 1, 8, grad=False), t(*lead, 1, 8, grad=False)
+        k.norm_rope(t(*lead, 2, 8), w, 1e-6, cos, sin).float().sum().backward()
+        k.rms_norm(t(*lead, 8), w, 1e-6).float().sum().backward()
+    y, n = k.add_norm(t(3, 4, 8), t(3, 4, 8), w, 1e-6)
     (y.float().sum() + n.float().sum()).backward()
-    k.rms_norm(t(3, 4, 8), w, 1e-6).float().sum().backward()
     k.swiglu(t(3, 4, 8), t(3, 4, 8)).float().sum().backward()
     with torch.no_grad():
         logits = t(6, 32, grad=False)
