@@ -28,14 +28,20 @@ class BadRequest(ValueError):
     pass
 
 
-def parse(text):
-    """The request, checked field by field (a bad one is named before anything is allocated)."""
+def json_object(text, what):
+    """`text` as a JSON object, else `BadRequest` saying it is not `what`."""
     try:
         req = json.loads(text)
     except ValueError as e:
-        raise BadRequest(f"not a drafter-bench request: {e}") from None
+        raise BadRequest(f"not a {what}: {e}") from None
     if not isinstance(req, dict):
-        raise BadRequest("not a drafter-bench request: not a JSON object")
+        raise BadRequest(f"not a {what}: not a JSON object")
+    return req
+
+
+def parse(text):
+    """The request, checked field by field (a bad one is named before anything is allocated)."""
+    req = json_object(text, "drafter-bench request")
     unknown = sorted(set(req) - FIELDS)
     if unknown:
         raise BadRequest(f"unknown field {unknown[0]!r}")

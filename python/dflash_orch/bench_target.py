@@ -22,20 +22,12 @@ import time
 import torch
 
 from .account import target_lengths, useful_target_flops
+from .bench_step import BadRequest, json_object
 from .target import TorchTarget, device_for, dtype_of
 
 
-class BadRequest(ValueError):
-    pass
-
-
 def parse(text):
-    try:
-        req = json.loads(text)
-    except ValueError as e:
-        raise BadRequest(f"the request is not JSON: {e}") from None
-    if not isinstance(req, dict):
-        raise BadRequest("the request must be a JSON object")
+    req = json_object(text, "target-bench request")
     t = req.get("target")
     if not isinstance(t, dict):
         raise BadRequest("target must be an object of a Qwen3 config.json's fields")
