@@ -1037,18 +1037,27 @@ def step_drafter_step(ctx):
            "bf16_peak_flops": peak}
     pkg = package_dir(ctx)
     failures = []
-    for engine in ("candle", "torch", "torch_compiled", "torch_legacy"):
+    for engine in ("candle", "torch", "torch_compiled", "torch_compiled_again", "torch_legacy"):
         one = dict(req, anchor_chunk=planned_chunk(ctx, engine.split("_")[0], req))
-        if engine == "torch_compiled":
+        if engine.startswith("torch_compiled"):
             # The batched step with its elementwise chains compiled (`--drafter-compile`): the
             # gain over `torch` and what compiling cost (`compile_s`).
             one["compile"] = True
+        if engine == "torch_compiled_again":
+            # Compiled again in a new process with empty caches, its first two steps (the
+            # second's loss reads the first's gradients and update): a restarted drafter must
+            # compute the same bits (exact replay), whatever the compiler's tuning picks in
+            # each process.
+            one.update(warmup=0, steps=2)
         env = dict(ctx.worker_env if engine == "candle" else ctx.env)
         env["CUDA_VISIBLE_DEVICES"] = gpu or ""
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         # The torch drafter's batched step (flex attention compiled, the linear cross-entropy,
         # fused AdamW) and the per-sequence path before it, side by side.
         env["DFLASH_DRAFTER_PATH"] = "legacy" if engine == "torch_legacy" else "batched"
+        if engine == "torch_compiled_again":
+            for name, sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):
+                env[name] = os.path.join(ctx.work, ".torch-compile-again", sub)
         if engine == "candle":
             cmd = [ctx.worker, "--drafter-bench", "-"]
         else:
@@ -1077,6 +1086,13 @@ def step_drafter_step(ctx):
         res[engine] = r
     if res.get("candle", {}).get("median_s") and res.get("torch", {}).get("median_s"):
         res["torch_over_candle"] = round(res["candle"]["median_s"] / res["torch"]["median_s"], 3)
+    again = res.get("torch_compiled_again", {}).get("losses")
+    first = res.get("torch_compiled", {}).get("losses")
+    if again and first:
+        # Bit for bit: the JSON floats are the losses' shortest round-trip forms.
+        res["compiled_replays_to_the_bit"] = again[:2] == first[:2]
+        if not res["compiled_replays_to_the_bit"]:
+            failures.append("torch_compiled_again (another process's losses differ)")
     if res.get("torch", {}).get("median_s") and res.get("torch_compiled", {}).get("median_s"):
         res["compiled_over_eager"] = round(
             res["torch"]["median_s"] / res["torch_compiled"]["median_s"], 3)

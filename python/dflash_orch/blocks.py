@@ -302,7 +302,14 @@ def flex(q, k, v, mask, gqa, compile_it=True):
     fn = flex_attention
     if compile_it:
         if _COMPILED_FLEX is None:
-            _COMPILED_FLEX = torch.compile(flex_attention, dynamic=True)
+            # Deterministic where this torch's Inductor can be (the same kernel configs in
+            # every process, for exact replay after a restart), as before where it cannot.
+            from .fused import deterministic_compile
+
+            try:
+                _COMPILED_FLEX = deterministic_compile(flex_attention)
+            except RuntimeError:
+                _COMPILED_FLEX = torch.compile(flex_attention, dynamic=True)
         fn = _COMPILED_FLEX
     return fn(q, k, v, block_mask=mask, enable_gqa=gqa)
 

@@ -7,9 +7,10 @@ chain below into one or two kernels, forward and backward. The eager functions a
 drafter's own arithmetic, operation for operation, so a run without compile computes exactly
 what it did before; the compiled ones compute the same values up to float rounding.
 
-`Kernels.compiled()` compiles them once per process and runs each once on small tensors, so a
-failure to compile shows at start-up (the drafter then runs eagerly and says why) and the cost
-of compiling is known: `compile_s`.
+`compiled()` compiles them once per process, in Inductor's deterministic mode (the same
+kernels in every process, so a restarted drafter replays its steps to the bit), and runs each
+once on small tensors, so a failure to compile shows at start-up (the drafter then runs eagerly
+and says why) and the cost of compiling is known: `compile_s`.
 """
 
 import time
@@ -119,6 +120,19 @@ def _warm(k, device, dtype):
         k.ce_grad(logits, targets, lse, torch.ones(6, dtype=acc, device=device), dtype)
 
 
+def deterministic_compile(fn):
+    """`torch.compile(fn, dynamic=True)` in Inductor's deterministic mode, which skips the
+    on-device benchmarking that picks a reduction's block size and warps per process (a pick
+    that changes the sums' order, so their last bits, between a run and its restart: exact
+    replay needs the same kernels in every process). Raises where this torch has no such mode."""
+    import torch._inductor.config as inductor
+
+    if not hasattr(inductor, "deterministic"):
+        raise RuntimeError(f"torch {torch.__version__}'s Inductor has no deterministic mode, "
+                           "which exact replay needs")
+    return torch.compile(fn, dynamic=True, options={"deterministic": True})
+
+
 def compiled(device, dtype):
     """The chains compiled for `device` and `dtype` (once per process); `EAGER` with the reason
     where compiling fails."""
@@ -126,7 +140,7 @@ def compiled(device, dtype):
     if key not in _COMPILED:
         start = time.perf_counter()
         try:
-            fns = {name: torch.compile(fn, dynamic=True) for name, fn in _FNS.items()}
+            fns = {name: deterministic_compile(fn) for name, fn in _FNS.items()}
             k = Kernels(fns, fused_ce=True)
             _warm(k, device, dtype)
             k.compile_s = time.perf_counter() - start

@@ -556,7 +556,8 @@ fn the_dry_run_plans_the_torch_workers() {
 }
 
 /// The GPU check's launcher (`scripts/gpu-check --cpu`, its drafter step: the candle bench and
-/// `dflash_orch.bench_step` in a Python child), run from a directory where another user planted
+/// `dflash_orch.bench_step` in Python children, eager and compiled, the compiled step twice in
+/// two processes with the same losses), run from a directory where another user planted
 /// modules that `PYTHONPATH` names too: the check passes and none of them runs, in the check's
 /// own Python or in its children.
 #[test]
@@ -591,6 +592,12 @@ fn the_gpu_checks_pythons_import_nothing_planted() {
     assert!(out.status.success(), "{stderr}");
     let summary: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(summary["steps"]["drafter_step"]["ok"], true, "{summary}");
+    // The compiled drafter step, compiled again in another process with empty caches, computes
+    // the same losses to the bit.
+    assert_eq!(
+        summary["steps"]["drafter_step"]["compiled_replays_to_the_bit"], true,
+        "{summary}"
+    );
     assert!(
         stderr.contains("PYTHONPATH entry") && stderr.contains("left out"),
         "the unsafe entries are named: {stderr}"
