@@ -252,7 +252,8 @@ fn the_torch_targets_features_equal_transformers_on_packed_batches() {
 
 /// The engines train alike, from the same plan and initial weights: the torch drafter's per-step
 /// losses (torch target too) and a mixed run's (torch target, candle drafter) equal the
-/// candle-only run's within 1e-4 relative over 60 steps; so do they with distillation mixed in,
+/// candle-only run's within 1e-4 relative over 60 steps (the torch drafter with its chains
+/// compiled, the torch targets packed); so do they with distillation mixed in,
 /// gamma, two drafter layers, accumulation and anchor chunks, and with the torch drafter's loss
 /// in checkpointed pieces of rows. Anchors, loss weights and layer ids are decided in Rust for both engines, and every step the drafter worker checks the torch
 /// engine's loss weight against its own, so a drift in the block mask or gamma fails a run; a
@@ -265,14 +266,16 @@ fn the_engines_train_alike_from_the_same_plan() {
     let mixed = dir.path().join("mixed");
     let torch = dir.path().join("torch");
     finish(launch(&candle, &target, "candle", &[]).spawn().unwrap());
-    // The torch targets run packed rows (each sequence's own attention on a CPU); the later
-    // variants run rows of one length, the CPU's default.
+    // The torch targets run packed rows (each sequence's own attention on a CPU), and the torch
+    // drafter its compiled chains; the later variants run rows of one length and eager chains,
+    // the CPU's defaults.
     let packed = ["--target-packing", "on"];
     finish(launch(&mixed, &target, MIXED, &packed).spawn().unwrap());
     // The torch run's directory is given relative to where the launch runs: its Python sides
     // run elsewhere (a directory of their own) and still find their checkpoints.
+    let compiled = ["--target-packing", "on", "--drafter-compile", "on"];
     finish(
-        launch(Path::new("torch"), &target, "torch", &packed)
+        launch(Path::new("torch"), &target, "torch", &compiled)
             .current_dir(dir.path())
             .spawn()
             .unwrap(),
@@ -289,6 +292,17 @@ fn the_engines_train_alike_from_the_same_plan() {
     .unwrap();
     assert_eq!(run["config"]["dflash"]["engines"], MIXED, "{run}");
     assert_eq!(run["config"]["dflash"]["target_packing"], true, "{run}");
+    let run: Value = serde_json::from_str(
+        fs::read_to_string(torch.join("journal.jsonl"))
+            .unwrap()
+            .lines()
+            .next()
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(run["config"]["dflash"]["drafter_compile"], true, "{run}");
+    // The compiler's caches are the run's own.
+    assert!(torch.join(".torch-compile/inductor").is_dir());
     assert_eq!(
         run["config"]["dflash"]["torch"]["python"],
         test_python().to_str().unwrap()
