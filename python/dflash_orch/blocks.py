@@ -240,34 +240,29 @@ class LinearCE(torch.autograd.Function):
         for i in range(0, n, rows):
             j = min(i + rows, n)
             logits = x[i:j] @ head.t()
+            t = targets[i:j]
             if fused:
-                lse, ce, hit = kernels.ce_rows(logits, targets[i:j], acc)
-                w = weights[i:j]
-                if alpha is not None:
-                    w = (dpace_weights(torch.exp(-ce), counted[i:j], block, alpha)
-                         * w.to(torch.float64)).to(torch.float32)
-                w = w.to(acc)
-                total += (ce * w).sum()
-                hits[i:j] = hit
-                gold[i:j] = ce
-                dx[i:j] = kernels.ce_grad(logits, targets[i:j], lse, w * scale, x.dtype) @ head
-                continue
-            log_p = torch.log_softmax(logits, dim=-1, dtype=acc)
-            t = targets[i:j].unsqueeze(1)
-            ce = -log_p.gather(1, t).squeeze(1)
+                lse, ce, hit = kernels.ce_rows(logits, t, acc)
+            else:
+                log_p = torch.log_softmax(logits, dim=-1, dtype=acc)
+                ce = -log_p.gather(1, t.unsqueeze(1)).squeeze(1)
+                hit = logits.argmax(-1) == t
             w = weights[i:j]
             if alpha is not None:
                 w = (dpace_weights(torch.exp(-ce), counted[i:j], block, alpha)
                      * w.to(torch.float64)).to(torch.float32)
             w = w.to(acc)
             total += (ce * w).sum()
-            hits[i:j] = logits.argmax(-1) == targets[i:j]
+            hits[i:j] = hit
             gold[i:j] = ce
             # d(sum w * ce) / d logits = w * (softmax - onehot).
-            grad = log_p.exp_()
-            grad.scatter_add_(1, t, torch.full_like(ce, -1.0).unsqueeze(1))
-            grad.mul_((w * scale).unsqueeze(1))
-            dx[i:j] = grad.to(x.dtype) @ head
+            if fused:
+                grad = kernels.ce_grad(logits, t, lse, w * scale, x.dtype)
+            else:
+                grad = log_p.exp_()
+                grad.scatter_add_(1, t.unsqueeze(1), torch.full_like(ce, -1.0).unsqueeze(1))
+                grad = grad.mul_((w * scale).unsqueeze(1)).to(x.dtype)
+            dx[i:j] = grad @ head
         ctx.save_for_backward(dx)
         ctx.mark_non_differentiable(total, hits, gold)
         return total * scale, total, hits, gold

@@ -306,10 +306,9 @@ class TorchTarget:
 
         return hook
 
-    def _rows(self, ids):
-        """Hidden states `[rows, len, n * hidden]` of rows of equal length, from position 0."""
-        rows, length = ids.shape
-        positions = torch.arange(length, device=self.device).unsqueeze(0).expand(rows, length)
+    def _forward(self, ids, positions):
+        """Hidden states `[rows, len, n * hidden]` of `ids` at `positions` (both `[rows, len]`),
+        up to the last layer needed."""
         self._captured = {}
         try:
             self.model.get_decoder()(input_ids=ids, position_ids=positions, use_cache=False)
@@ -318,6 +317,12 @@ class TorchTarget:
         states = [self._captured[i] for i in self.indices]
         self._captured = {}
         return torch.cat(states, dim=-1)
+
+    def _rows(self, ids):
+        """Hidden states `[rows, len, n * hidden]` of rows of equal length, from position 0."""
+        rows, length = ids.shape
+        positions = torch.arange(length, device=self.device).unsqueeze(0).expand(rows, length)
+        return self._forward(ids, positions)
 
     def _packed_row(self, ids, lengths):
         """Hidden states `[tokens, n * hidden]` of the sequences of `lengths` packed back to
@@ -334,19 +339,12 @@ class TorchTarget:
         _Layout.base = self.attention
         for c in configs:
             c._attn_implementation = PACKED_ATTENTION
-        self._captured = {}
         try:
-            self.model.get_decoder()(input_ids=ids.unsqueeze(0),
-                                     position_ids=positions.unsqueeze(0), use_cache=False)
-        except _Stop:
-            pass
+            return self._forward(ids.unsqueeze(0), positions.unsqueeze(0))[0]
         finally:
             for c, name in zip(configs, base):
                 c._attn_implementation = name
             _Layout.bounds = _Layout.device_bounds = None
-        states = [self._captured[i][0] for i in self.indices]
-        self._captured = {}
-        return torch.cat(states, dim=-1)
 
     @torch.inference_mode()
     def features_into(self, tokens, lengths, out, token_budget=None):
@@ -369,11 +367,6 @@ class TorchTarget:
         for length in lengths:
             starts.append(at)
             at += length
-        # Rows of one length together, at most a budget's worth of tokens at a time.
-        by_length = {}
-        for s, length in enumerate(lengths):
-            if length > 0:
-                by_length.setdefault(length, []).append(s)
         budget = max(token_budget or n, 1)
         finite = torch.ones(len(self.indices), dtype=torch.bool, device=self.device)
         if self.packed:
@@ -385,26 +378,37 @@ class TorchTarget:
                 print(f"dflash_orch: the target runs rows of one length: {e}", file=sys.stderr,
                       flush=True)
                 finite.fill_(True)
+        # Rows of one length together, at most a budget's worth of tokens at a time.
+        by_length = {}
+        for s, length in enumerate(lengths):
+            if length > 0:
+                by_length.setdefault(length, []).append(s)
         for length, seqs in sorted(by_length.items()):
             per = max(budget // length, 1)
             for k in range(0, len(seqs), per):
                 group = seqs[k:k + per]
                 ids = torch.stack([all_ids[starts[s]:starts[s] + length] for s in group])
                 ids = ids.to(self.device)
-                values = self._rows(ids).to(self.feature_dtype)
-                if self.poison is not None:
-                    hit = ids == self.poison
-                    if bool(hit.any()):
-                        values[..., 0] = torch.where(hit, torch.nan, values[..., 0])
-                finite &= torch.isfinite(
-                    values.view(len(group), length, len(self.indices), self.hidden)
-                ).all(dim=3).all(dim=1).all(dim=0)
+                values = self._checked(self._rows(ids), ids, finite)
                 # Into the ring: page-locked on a GPU (see serve.pin_mapping), so the copies
                 # run without staging and queue behind the forward; `tolist` below waits for
                 # them before the worker is answered.
                 for r, s in enumerate(group):
                     out[starts[s]:starts[s] + length].copy_(values[r], non_blocking=True)
         return self._first_nonfinite(finite)
+
+    def _checked(self, values, ids, finite):
+        """`values` (the features of the tokens `ids`, any leading shape) in the feature dtype,
+        with `finite` (one flag per layer) cleared for each layer holding a NaN or an infinity;
+        the poison token (a test's) makes its first feature NaN."""
+        values = values.to(self.feature_dtype)
+        if self.poison is not None:
+            hit = ids == self.poison
+            if bool(hit.any()):
+                values[..., 0] = torch.where(hit, torch.nan, values[..., 0])
+        finite &= torch.isfinite(
+            values.reshape(-1, len(self.indices), self.hidden)).all(dim=2).all(dim=0)
+        return values
 
     @staticmethod
     def _first_nonfinite(finite):
@@ -429,12 +433,7 @@ class TorchTarget:
             a = starts[chunk[0]]
             b = starts[chunk[-1]] + lengths[chunk[-1]]
             ids = all_ids[a:b].to(self.device)
-            values = self._packed_row(ids, [lengths[s] for s in chunk]).to(self.feature_dtype)
-            if self.poison is not None:
-                hit = ids == self.poison
-                if bool(hit.any()):
-                    values[:, 0] = torch.where(hit, torch.nan, values[:, 0])
-            finite &= torch.isfinite(
-                values.view(b - a, len(self.indices), self.hidden)).all(dim=2).all(dim=0)
+            values = self._checked(self._packed_row(ids, [lengths[s] for s in chunk]), ids,
+                                   finite)
             out[a:b].copy_(values, non_blocking=True)
         return self._first_nonfinite(finite)

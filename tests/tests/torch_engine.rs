@@ -127,21 +127,27 @@ fn the_dflash2_drafter_computes_what_the_official_model_computes() {
     }
 }
 
-/// Runs `python/tests/NAME` with `args` (and `env`), which must exit 0; its JSON lines.
-fn python_check(name: &str, args: &[&str], env: &[(&str, PathBuf)]) -> Vec<Value> {
+/// Runs `python/tests/NAME` with `args` (and `env`), which must exit 0; its output.
+fn python_check_output(name: &str, args: &[&str], env: &[(&str, PathBuf)]) -> String {
     let out = Command::new(test_python())
         .arg(workspace_root().join("python/tests").join(name))
         .args(args)
         .envs(env.iter().map(|(k, v)| (k, v)))
         .output()
         .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
         out.status.success(),
-        "{name}: {stdout}\n{}",
+        "{name} {args:?} {env:?}: {stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
     eprintln!("{stdout}");
+    stdout
+}
+
+/// [`python_check_output`]'s JSON lines.
+fn python_check(name: &str, args: &[&str], env: &[(&str, PathBuf)]) -> Vec<Value> {
+    let stdout = python_check_output(name, args, env);
     stdout
         .lines()
         .map(|l| {
@@ -159,17 +165,7 @@ fn python_check(name: &str, args: &[&str], env: &[(&str, PathBuf)]) -> Vec<Value
 #[test]
 fn the_block_mask_from_anchors_equals_the_dense_mask_and_flex_equals_sdpa() {
     for seed in ["11", "12"] {
-        let out = Command::new(test_python())
-            .arg(workspace_root().join("python/tests/check_blocks.py"))
-            .env("CHECK_SEED", seed)
-            .output()
-            .unwrap();
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            out.status.success(),
-            "seed {seed}: {stdout}\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let stdout = python_check_output("check_blocks.py", &[], &[("CHECK_SEED", seed.into())]);
         assert!(stdout.contains("ok: masks, tiles, flex"), "{stdout}");
     }
 }
