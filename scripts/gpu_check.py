@@ -1044,10 +1044,13 @@ def step_drafter_step(ctx):
             # gain over `torch` and what compiling cost (`compile_s`).
             one["compile"] = True
         if engine == "torch_compiled_again":
-            # Compiled again in a new process with empty caches, its first two steps (the
-            # second's loss reads the first's gradients and update): a restarted drafter must
-            # compute the same bits (exact replay), whatever the compiler's tuning picks in
-            # each process.
+            # Compiled again in a new process, its first two steps (the second's loss reads the
+            # first's gradients and update): a restarted drafter must compute the same bits
+            # (exact replay), whatever the compiler's tuning picks in each process. On a GPU
+            # with empty caches, so that the tuning runs again; on CPUs, where Inductor tunes
+            # nothing (its C++ kernels are generated, not benchmarked), from the first
+            # process's caches, as a restarted drafter loads them (compiling the same code
+            # again would cost a minute on two cores and test nothing more).
             one.update(warmup=0, steps=2)
         env = dict(ctx.worker_env if engine == "candle" else ctx.env)
         env["CUDA_VISIBLE_DEVICES"] = gpu or ""
@@ -1055,7 +1058,7 @@ def step_drafter_step(ctx):
         # The torch drafter's batched step (flex attention compiled, the linear cross-entropy,
         # fused AdamW) and the per-sequence path before it, side by side.
         env["DFLASH_DRAFTER_PATH"] = "legacy" if engine == "torch_legacy" else "batched"
-        if engine == "torch_compiled_again":
+        if engine == "torch_compiled_again" and not ctx.cpu:
             for name, sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):
                 env[name] = os.path.join(ctx.work, ".torch-compile-again", sub)
         if engine == "candle":
@@ -1091,6 +1094,7 @@ def step_drafter_step(ctx):
     if again and first:
         # Bit for bit: the JSON floats are the losses' shortest round-trip forms.
         res["compiled_replays_to_the_bit"] = again[:2] == first[:2]
+        res["compiled_again_caches"] = "the first's" if ctx.cpu else "empty"
         if not res["compiled_replays_to_the_bit"]:
             failures.append("torch_compiled_again (another process's losses differ)")
     if res.get("torch", {}).get("median_s") and res.get("torch_compiled", {}).get("median_s"):

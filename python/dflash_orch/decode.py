@@ -10,9 +10,12 @@ decoder, with the same request on stdin and the same answers on stdout.
   pass verifies the block; the longest prefix of drafted tokens equal to the target's own greedy
   choices is accepted, plus the target's next token. With `baseline`, plain greedy decoding too.
 - generate: one request line (`GenerateRequest`), then one job line (`GenerateJob`) per batch of
-  prompts, each answered by a `GenerateDone` line. Greedy, or sampling at a temperature, each row
-  from a generator seeded by (seed, row): a row's output does not depend on its batch. (The
-  engines' random streams differ: sampled data from the two engines is not the same tokens.)
+  prompts, each answered by a `GenerateDone` line. A batch's prompts are decoded together, one
+  forward per step (`Decoder.sample_batch`). Greedy, or sampling at a temperature, each row
+  from a generator seeded by (seed, row): a row's draws do not depend on its batch. (Its logits
+  can differ from a decode alone in the last bits, as batched kernels round; a batch is the same
+  rows whenever it is decoded, a resumed one included. The engines' random streams differ:
+  sampled data from the two engines is not the same tokens.)
 
 Whatever fails ends this process with exit 1, its reason the last line of stderr (`error: TYPE:
 MESSAGE`), which the worker quotes in its error.
@@ -222,29 +225,58 @@ class Decoder:
     @torch.inference_mode()
     def sample(self, prompt, max_new_tokens, stop, temperature, generator):
         """Plain decoding of `prompt`, greedy or at `temperature` drawing from `generator`."""
+        return self.sample_batch([prompt], max_new_tokens, stop, temperature, [generator])[0]
+
+    @torch.inference_mode()
+    def sample_batch(self, prompts, max_new_tokens, stop, temperature, generators):
+        """Plain decoding of `prompts` together, one forward per step for the whole batch: the
+        prompts left-padded to the longest (masked out, positions counted from each prompt's
+        first token), each row greedy or at `temperature` drawing from its own generator, so a
+        row's draws do not depend on the other rows. A row ends after `max_new_tokens` tokens or
+        its first token of `stop` (kept); the batch steps on while any row runs (a row that has
+        ended feeds padding that nothing reads)."""
         from transformers import DynamicCache
 
+        if not prompts:
+            return []
+        if any(not p for p in prompts):
+            raise ValueError("an empty prompt")
+        rows = len(prompts)
+        outputs = [[] for _ in prompts]
+        if max_new_tokens <= 0:
+            return outputs
+        longest = max(len(p) for p in prompts)
+        ids = torch.zeros((rows, longest), dtype=torch.long)
+        mask = torch.zeros((rows, longest), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, longest - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[i, longest - len(p):] = 1
+        positions = (mask.cumsum(-1) - 1).clamp_min(0)
+        ids, mask, positions = (t.to(self.device) for t in (ids, mask, positions))
+        running = [True] * rows
         cache = DynamicCache()
-        out = []
-        tokens, start = list(prompt), 0
-        while len(out) < max_new_tokens:
-            ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
-            positions = torch.arange(start, start + len(tokens), device=self.device).unsqueeze(0)
-            res = self.model(input_ids=ids, position_ids=positions, past_key_values=cache,
-                             use_cache=True)
+        while any(running):
+            res = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                             past_key_values=cache, use_cache=True)
             cache = res.past_key_values
-            logits = res.logits[0, -1].float()
+            logits = res.logits[:, -1].float()
             if temperature <= 0:
-                token = int(logits.argmax())
+                chosen = logits.argmax(-1).tolist()
             else:
                 probs = torch.softmax(logits / temperature, dim=-1).cpu()
-                token = int(torch.multinomial(probs, 1, generator=generator))
-            out.append(token)
-            if token in stop:
-                break
-            start += len(tokens)
-            tokens = [token]
-        return out
+                chosen = [int(torch.multinomial(probs[i], 1, generator=generators[i]))
+                          if running[i] else 0 for i in range(rows)]
+            for i in range(rows):
+                if not running[i]:
+                    continue
+                token = int(chosen[i])
+                outputs[i].append(token)
+                if token in stop or len(outputs[i]) >= max_new_tokens:
+                    running[i] = False
+            ids = torch.tensor([[int(t)] for t in chosen], dtype=torch.long, device=self.device)
+            mask = torch.cat([mask, mask.new_ones((rows, 1))], dim=1)
+            positions = positions[:, -1:] + 1
+        return outputs
 
 
 def run_eval(stream, answers):
@@ -287,11 +319,11 @@ def run_generate(stream, answers):
         if not line.strip():
             continue
         job = json.loads(line)
-        outputs = []
-        for row, prompt in job["prompts"]:
-            generator = torch.Generator().manual_seed((seed * 0x9E3779B97F4A7C15 + int(row)) % 2**63)
-            outputs.append(decoder.sample(prompt, int(req["max_new_tokens"]), stop, temperature,
-                                          generator))
+        rows = [int(row) for row, _ in job["prompts"]]
+        generators = [torch.Generator().manual_seed((seed * 0x9E3779B97F4A7C15 + row) % 2**63)
+                      for row in rows]
+        outputs = decoder.sample_batch([prompt for _, prompt in job["prompts"]],
+                                       int(req["max_new_tokens"]), stop, temperature, generators)
         answers.write(json.dumps({"batch": job["batch"], "outputs": outputs}) + "\n")
         answers.flush()
 

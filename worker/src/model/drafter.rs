@@ -247,6 +247,24 @@ fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> candle_core::Result<Tensor
         .to_dtype(dtype)
 }
 
+/// Softmax over the last axis. Its max is only a shift, which softmax does not depend on: taken
+/// out of the graph, the gradient is the same and the backward pass skips the max's (a compare
+/// and a scatter over the whole input).
+fn softmax_last(x: &Tensor) -> candle_core::Result<Tensor> {
+    let max = x.max_keepdim(D::Minus1)?.detach();
+    let num = x.broadcast_sub(&max)?.exp()?;
+    let den = num.sum_keepdim(D::Minus1)?;
+    num.broadcast_div(&den)
+}
+
+/// Log-softmax over the last axis, its max out of the graph as in [`softmax_last`].
+fn log_softmax_last(x: &Tensor) -> candle_core::Result<Tensor> {
+    let max = x.max_keepdim(D::Minus1)?.detach();
+    let diff = x.broadcast_sub(&max)?;
+    let log_sum = diff.exp()?.sum_keepdim(D::Minus1)?.log()?;
+    diff.broadcast_sub(&log_sum)
+}
+
 /// cos and sin tables for positions `[..]` (any shape), with a trailing `head_dim` axis.
 fn rope_tables(
     positions: &Tensor,
@@ -451,7 +469,7 @@ impl Drafter {
         let (targets, weights) =
             targets_and_weights(tokens, loss_mask, anchors, b, objective.gamma);
         let targets_t = Tensor::from_vec(targets.clone(), a * b, dev)?;
-        let log_probs = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
+        let log_probs = log_softmax_last(&logits)?;
         let mut per_position = log_probs
             .gather(&targets_t.unsqueeze(1)?, 1)?
             .squeeze(1)?
@@ -632,9 +650,7 @@ impl Drafter {
                 .transpose(0, 1)?
                 .broadcast_add(&ctx_mask)?;
             let s_blk = (q.matmul(&kb.t()?)? / scale)?.to_dtype(DType::F32)?;
-            let probs =
-                candle_nn::ops::softmax(&Tensor::cat(&[&s_ctx, &s_blk], D::Minus1)?, D::Minus1)?
-                    .to_dtype(cdt)?;
+            let probs = softmax_last(&Tensor::cat(&[&s_ctx, &s_blk], D::Minus1)?)?.to_dtype(cdt)?;
             let p_ctx = probs
                 .narrow(D::Minus1, 0, seen)?
                 .transpose(0, 1)?
