@@ -223,11 +223,6 @@ class Decoder:
         return self.drafter.context(feats, positions)
 
     @torch.inference_mode()
-    def sample(self, prompt, max_new_tokens, stop, temperature, generator):
-        """Plain decoding of `prompt`, greedy or at `temperature` drawing from `generator`."""
-        return self.sample_batch([prompt], max_new_tokens, stop, temperature, [generator])[0]
-
-    @torch.inference_mode()
     def sample_batch(self, prompts, max_new_tokens, stop, temperature, generators):
         """Plain decoding of `prompts` together, one forward per step for the whole batch: the
         prompts left-padded to the longest (masked out, positions counted from each prompt's

@@ -301,24 +301,10 @@ fn the_engines_train_alike_from_the_same_plan() {
     );
     assert_losses_agree(&losses(&mixed), &losses(&candle), 50, 1e-4);
     assert_losses_agree(&losses(&torch), &losses(&candle), 50, 1e-4);
-    let run: Value = serde_json::from_str(
-        fs::read_to_string(mixed.join("journal.jsonl"))
-            .unwrap()
-            .lines()
-            .next()
-            .unwrap(),
-    )
-    .unwrap();
+    let run = &journal_events(&mixed, "run")[0];
     assert_eq!(run["config"]["dflash"]["engines"], MIXED, "{run}");
     assert_eq!(run["config"]["dflash"]["target_packing"], true, "{run}");
-    let run: Value = serde_json::from_str(
-        fs::read_to_string(torch.join("journal.jsonl"))
-            .unwrap()
-            .lines()
-            .next()
-            .unwrap(),
-    )
-    .unwrap();
+    let run = &journal_events(&torch, "run")[0];
     assert_eq!(run["config"]["dflash"]["drafter_compile"], true, "{run}");
     // The compiler's caches are the run's own.
     assert!(torch.join(".torch-compile/inductor").is_dir());
