@@ -1172,6 +1172,13 @@ def step_target_step(ctx):
                 p = projected.get(column)
                 if p:
                     one[name]["projected"] = {k: p[k] for k in ("step_s", "mfu", "tokens_per_s")}
+    # The target's own probe (packed against rows at start) may refuse packing: that is a
+    # finding here, not a fallback to time.
+    kernels = [one["packed"]["kernel"] for one in res["lengths"].values()]
+    kernels += [c["packing"] for c in res["check"].values()]
+    refused = [k for k in kernels if not k.startswith("packed, ")]
+    if refused:
+        raise StepFailed(f"the target refused packing: {refused[0]}", **res)
     bad = [f"{seq}: {one['relative_max_diff']:.3g}" for seq, one in res["lengths"].items()
            if not one["relative_max_diff"] <= 0.05]
     bad += [f"{arch}: {c['relative_max_diff']:.3g}" for arch, c in res["check"].items()

@@ -21,6 +21,7 @@ Whatever fails ends this process with exit 1, its reason the last line of stderr
 MESSAGE`), which the worker quotes in its error.
 """
 
+import copy
 import json
 import os
 import sys
@@ -121,14 +122,40 @@ def verify_drafts(proposal, target, generator):
 class Decoder:
     """The target with its KV cache, and optionally the drafter."""
 
-    def __init__(self, target_dir, precision, drafter=None, block_size=None):
-        from .target import device_for, dtype_of, load_causal_lm
+    def __init__(self, target_dir, precision, drafter=None, block_size=None, model=None):
+        from .target import device_for, dtype_of, load_causal_lm, state_carrying
 
         self.device = device_for(os.environ.get("CUDA_VISIBLE_DEVICES"))
-        self.model = load_causal_lm(target_dir, dtype_of(precision), self.device)
+        self.model = model if model is not None else load_causal_lm(
+            target_dir, dtype_of(precision), self.device)
         self.layers = int(self.model.config.get_text_config().num_hidden_layers)
         self.drafter = drafter
         self.block = block_size or (drafter.block if drafter else 1)
+        # A state carried from token to token (linear attention, state-space layers) cannot be
+        # cropped back past a rejected draft: such a target's cache is copied before each
+        # verify step and, when a draft is rejected, put back and run on the kept tokens.
+        self.carried = state_carrying(self.model)
+
+    def _cache(self):
+        """A KV cache for one decode: full-length layers that crop exactly (sliding windows are
+        the attention mask's, from positions), or, for a target that carries a state, the
+        layer kinds of its config (its linear attention's states), never cropped."""
+        from transformers import DynamicCache
+
+        if self.carried is None:
+            return DynamicCache()
+        try:
+            return DynamicCache(config=self.model.config)
+        except TypeError as e:
+            raise RuntimeError(f"this transformers' cache takes no config, and the target "
+                               f"carries a state ({self.carried})") from e
+
+    @staticmethod
+    def _crop_to(cache, length):
+        """Keeps the first `length` positions of `cache`: a crop by the count to remove (negative;
+        0 trims a recording sliding window back to its size), which every transformers since the
+        cache API takes."""
+        cache.crop(-max(cache.get_seq_length() - length, 0))
 
     def _run(self, tokens, cache, start, features):
         """Runs `tokens` at positions `start..` after what `cache` holds: the logits after each
@@ -151,8 +178,6 @@ class Decoder:
         step, seconds after the prefill). The draws are made in the official package's order
         (the prefill's token; per step the draft, then the acceptance uniforms and one more
         token), so the same seed gives its tokens."""
-        from transformers import DynamicCache
-
         if not prompt:
             raise ValueError("an empty prompt")
         n = len(prompt)
@@ -160,7 +185,7 @@ class Decoder:
         draft = self.drafter if speculative else None
         block = self.block if draft else 1
         mask = draft.mask_token if draft else 0
-        cache = DynamicCache()
+        cache = self._cache()
         logits, feats, cache = self._run(prompt, cache, 0, draft is not None)
         if sampling is None:
             first = int(logits[-1].float().argmax())
@@ -189,6 +214,7 @@ class Decoder:
                     tokens += drafted.tolist()
                     proposal = (drafted, q, indices)
             tokens += [mask] * (verify - len(tokens))
+            saved = copy.deepcopy(cache) if self.carried is not None and verify > 1 else None
             logits, feats, cache = self._run(tokens, cache, start, verify > 1 and draft is not None)
             if sampling is None:
                 posterior = logits.float().argmax(-1).tolist()
@@ -208,7 +234,11 @@ class Decoder:
             produced = len(gained)
             out = out[:start + 1] + gained
             # Keep the verified positions only: the block's first `produced` tokens.
-            cache.crop(start + produced)
+            if saved is None:
+                self._crop_to(cache, start + produced)
+            elif produced < len(tokens):
+                cache = saved
+                _, _, cache = self._run(tokens[:produced], cache, start, False)
             if draft is not None and feats is not None:
                 more = self._context(feats[:produced], start)
                 context = [(torch.cat([k, k2]), torch.cat([v, v2]))
@@ -230,8 +260,6 @@ class Decoder:
         row's draws do not depend on the other rows. A row ends after `max_new_tokens` tokens or
         its first token of `stop` (kept); the batch steps on while any row runs (a row that has
         ended feeds padding that nothing reads)."""
-        from transformers import DynamicCache
-
         if not prompts:
             return []
         if any(not p for p in prompts):
@@ -249,7 +277,7 @@ class Decoder:
         positions = (mask.cumsum(-1) - 1).clamp_min(0)
         ids, mask, positions = (t.to(self.device) for t in (ids, mask, positions))
         running = [True] * rows
-        cache = DynamicCache()
+        cache = self._cache()
         while any(running):
             res = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
                              past_key_values=cache, use_cache=True)

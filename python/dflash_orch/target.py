@@ -14,6 +14,7 @@ is the model's activations for one group of rows plus the features themselves: l
 
 import inspect
 import os
+import re
 import sys
 
 import torch
@@ -113,6 +114,8 @@ def _varlen(module, query, key, value, dropout, scaling, sliding_window, kwargs)
         raise _Unpackable("attention logit soft-capping")
     if query.dtype not in VARLEN_DTYPES:
         raise _Unpackable(f"flash attention needs bf16 or f16, the target runs {query.dtype}")
+    if value.shape[-1] != query.shape[-1]:
+        raise _Unpackable(f"values of head dim {value.shape[-1]}, queries of {query.shape[-1]}")
     if query.shape[-1] > 256:
         raise _Unpackable(f"head dim {query.shape[-1]} is past flash attention's 256")
     options = {"scale": scaling}
@@ -167,6 +170,69 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     else:
         out = _per_sequence(module, query, key, value, dropout, scaling, sliding_window, kwargs)
     return out, None
+
+
+# Layer types (`config.layer_types`) whose token mixing is attention the packed kernel reproduces.
+PACKABLE_LAYER_TYPES = {"full_attention", "sliding_attention"}
+
+# Modules that mix tokens outside the attention function (state-space and linear-attention
+# mixers, recurrences, short convolutions): run over a packed row, a sequence's state would
+# carry into the next one.
+_SEQUENCE_MIXER = re.compile(
+    r"Mamba|SSM|Ssm[A-Z]|DeltaNet|LinearAtt|Lightning|Recurrent|RgLru|RGLRU|ShortConv|Rwkv|RWKV|"
+    r"Retention|Hyena|LSTM|Lstm")
+
+
+def state_carrying(model):
+    """Why `model` carries a state from token to token outside its attention's keys and values,
+    or None: a layer type other than (sliding or chunked) attention, or a module that mixes
+    tokens otherwise (state-space, linear attention, short convolutions). Such a state is not
+    cut by a mask (a packed row) nor cropped with a KV cache (a rejected draft)."""
+    text = model.config.get_text_config()
+    types = getattr(text, "layer_types", None) or []
+    other = sorted({str(t) for t in types} - PACKABLE_LAYER_TYPES - {"chunked_attention"})
+    if other:
+        return f"layer types {', '.join(other)} are not attention"
+    for name, module in model.named_modules():
+        kind = type(module).__name__
+        if isinstance(module, torch.nn.Conv1d) or _SEQUENCE_MIXER.search(kind):
+            return f"{name} ({kind}) mixes tokens outside attention"
+    return None
+
+
+def packing_refusal(model):
+    """Why a packed row cannot stand for rows of one length on `model`, or None: a state carried
+    from token to token ([`state_carrying`]), or attention the packed kernel does not
+    reproduce (chunked)."""
+    carried = state_carrying(model)
+    if carried is not None:
+        return carried
+    text = model.config.get_text_config()
+    if "chunked_attention" in (getattr(text, "layer_types", None) or []) or getattr(
+            text, "attention_chunk_size", None):
+        return "chunked attention"
+    return None
+
+
+def decoder_stack(model):
+    """The module that runs the decoder layers (what `forward` is called on) and the layers,
+    `[num_hidden_layers]`: `get_decoder().layers`, else the one module list of that length."""
+    count = int(model.config.get_text_config().num_hidden_layers)
+    decoder = model.get_decoder()
+    layers = getattr(decoder, "layers", None)
+    if isinstance(layers, torch.nn.ModuleList) and len(layers) == count:
+        return decoder, list(layers)
+    found = []
+    for name, module in model.named_modules():
+        for child_name, child in module.named_children():
+            if isinstance(child, torch.nn.ModuleList) and len(child) == count:
+                found.append((name, child_name, module, child))
+    if len(found) != 1:
+        where = ", ".join(f"{a}.{b}" if a else b for a, b, _, _ in found) or "none"
+        raise ValueError(f"{type(model).__name__}: cannot tell its {count} decoder layers "
+                         f"(module lists of that length: {where})")
+    _, _, parent, child = found[0]
+    return parent, list(child)
 
 
 class _Stop(Exception):
@@ -257,9 +323,7 @@ class TorchTarget:
         self.dtype = dtype
         self.feature_dtype = feature_dtype or dtype
         self.model = model if model is not None else load_causal_lm(model_dir, dtype, device)
-        decoder = self.model.get_decoder()
-        self.layers = list(decoder.layers)
-        self.norm = decoder.norm
+        self.decoder, self.layers = decoder_stack(self.model)
         config = self.model.config
         self.vocab_size = int(config.get_text_config().vocab_size)
         self.num_layers = len(self.layers)
@@ -276,9 +340,9 @@ class TorchTarget:
         self.hidden = int(config.get_text_config().hidden_size)
         self._captured = {}
         last = max(self.indices)
-        for i in sorted(set(self.indices)):
-            module = self.norm if i == self.num_layers else self.layers[i - 1]
-            module.register_forward_hook(self._hook(i, stop=(i == last and i < self.num_layers)))
+        # Index L (after the final norm) is the decoder's own output; the others are hooked.
+        for i in sorted(set(self.indices) - {self.num_layers}):
+            self.layers[i - 1].register_forward_hook(self._hook(i, stop=(i == last)))
         poison = os.environ.get(POISON_TOKEN_ENV, "").strip()
         self.poison = int(poison) if poison.isdigit() else None
         self.packed = packing == "on" or (packing == "auto" and device.type == "cuda")
@@ -289,6 +353,52 @@ class TorchTarget:
             from transformers import AttentionInterface
 
             AttentionInterface.register(PACKED_ATTENTION, packed_attention)
+            refusal = packing_refusal(self.model)
+            if refusal is None and device.type != "meta":
+                refusal = self._packing_disagrees()
+            if refusal is not None:
+                self._unpack(refusal)
+
+    def _unpack(self, reason):
+        """Rows of one length from now on, saying why packing was refused."""
+        self.packed = False
+        self.packing = f"rows of one length (packing refused: {reason})"
+        print(f"dflash_orch: the target runs rows of one length: {reason}", file=sys.stderr,
+              flush=True)
+
+    # Largest relative difference, per token, between a packed row and rows of one length that
+    # still counts as the same features: rounding (half precision: two attention kernels, in
+    # another order) against a sequence that sees another, which changes its features outright.
+    PROBE_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
+    PROBE_HALF_TOLERANCE = 5e-2
+
+    @torch.inference_mode()
+    def _packing_disagrees(self):
+        """Runs two short sequences packed and as rows of one length: why packing would change
+        the features (what a structural check cannot see: a sequence's state carried into the
+        next), or None when they agree."""
+        lengths = [13, 9]
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, self.vocab_size, (sum(lengths),), generator=gen).to(self.device)
+        try:
+            packed = self._packed_row(ids, lengths).float()
+        except _Unpackable as e:
+            return str(e)
+        rows = torch.cat([self._rows(ids[a:a + n].unsqueeze(0))[0]
+                          for a, n in zip((0, lengths[0]), lengths)]).float()
+        n = len(self.indices)
+        packed = packed.view(-1, n, self.hidden)
+        rows = rows.view(-1, n, self.hidden)
+        norm = rows.norm(dim=2).clamp_min(torch.finfo(torch.float32).tiny)
+        worst = ((packed - rows).norm(dim=2) / norm).nan_to_num(nan=float("inf"))
+        tol = self.PROBE_TOLERANCE.get(self.dtype, self.PROBE_HALF_TOLERANCE)
+        value = float(worst.max())
+        if value <= tol:
+            return None
+        token, layer = divmod(int(worst.argmax()), n)
+        return (f"a packed row differs from rows of one length by {value:.3g} (relative, more "
+                f"than {tol:g}) at token {token} of two sequences, layer id "
+                f"{self.indices[layer] - 1}: sequences would see each other")
 
     def _configs(self):
         seen = {}
@@ -311,7 +421,9 @@ class TorchTarget:
         up to the last layer needed."""
         self._captured = {}
         try:
-            self.model.get_decoder()(input_ids=ids, position_ids=positions, use_cache=False)
+            out = self.decoder(input_ids=ids, position_ids=positions, use_cache=False)
+            last = getattr(out, "last_hidden_state", None)
+            self._captured[self.num_layers] = last if last is not None else _tensor_of(out)
         except _Stop:
             pass
         states = [self._captured[i] for i in self.indices]
@@ -373,10 +485,7 @@ class TorchTarget:
             try:
                 return self._packed_into(all_ids, starts, lengths, out, budget, finite)
             except _Unpackable as e:
-                self.packed = False
-                self.packing = f"rows of one length (packing refused: {e})"
-                print(f"dflash_orch: the target runs rows of one length: {e}", file=sys.stderr,
-                      flush=True)
+                self._unpack(str(e))
                 finite.fill_(True)
         # Rows of one length together, at most a budget's worth of tokens at a time.
         by_length = {}

@@ -1,6 +1,6 @@
 """The torch engine's batched `generate` against each prompt decoded alone.
 
-    python tests/check_generate.py [--arch qwen3,llama,qwen3_moe,gemma3_text,gpt_oss]
+    python tests/check_generate.py [--arch qwen3,llama,qwen3_moe,gemma3_text,gpt_oss,qwen3_5_text]
 
 For each architecture a tiny random model is made from a config (no download; Gemma 3 and
 gpt-oss with sliding windows shorter than the prompts) and saved; `Decoder.sample_batch`, the
@@ -12,7 +12,12 @@ path of `dflash-orch generate --engine torch`, decodes prompts of uneven lengths
 - a stop token ends its row (kept as its last token), the other rows go on;
 - sampled: a row's tokens are the same in the batch and decoded alone from the same generator;
 - power: the same batch decoded with the padding attended (its mask dropped) is not greedy for
-  the padded rows, so the check can fail.
+  the padded rows, so the check can fail;
+- speculative: `Decoder.generate` (the path of `dflash-orch eval`), greedy, with drafts that are
+  accepted whole, in part and not at all, gives the greedy tokens. Qwen3.5's gated delta-net
+  layers carry a state a KV cache's crop does not take back: its cache is copied before each
+  verify step and put back after a rejection; power: decoded with the crop alone (the official
+  package's way), its tokens are not greedy.
 
 Prints one JSON line per architecture; exits 0 when every check holds (f32).
 """
@@ -43,6 +48,7 @@ class MaskDropped:
 
     def __init__(self, model):
         self.model = model
+        self.config = model.config
 
     def __call__(self, **kwargs):
         kwargs["attention_mask"] = torch.ones_like(kwargs["attention_mask"])
@@ -59,12 +65,78 @@ def worst_margin(model, prompt, output):
     return (logits.max(-1).values - chosen).max().item()
 
 
+class Proposer:
+    """A drafter that proposes the target's own greedy continuation `truth` (prompt and output),
+    with the proposals at some positions wrong: verify steps accept all, some or none of a
+    block, so the target's cache is rolled back by every amount."""
+
+    target_layer_ids = [0]
+    mask_token = 0
+
+    def __init__(self, truth, vocab, block):
+        self.truth, self.vocab, self.block = truth, vocab, block
+
+    def context(self, feats, positions):
+        return [(positions.unsqueeze(1).float(), positions.unsqueeze(1).float())]
+
+    def draft(self, context, token, start, verify):
+        out = []
+        for pos in range(start + 1, start + verify):
+            t = self.truth[pos] if pos < len(self.truth) else 0
+            out.append((t + 1) % self.vocab if pos % 7 in (0, 3) else t)
+        return out
+
+
+def check_speculative(decoder, prompts, truths):
+    """Greedy speculative decoding (`Decoder.generate`, the path of `dflash-orch eval`) with
+    [`Proposer`] drafts of the greedy `truths`: the worst margin of its tokens against the
+    target's greedy ones, and the acceptance lengths seen (blocks accepted whole, in part and
+    not at all)."""
+    alone = decoder.model
+    margin, seen = 0.0, set()
+    for prompt, truth in zip(prompts, truths):
+        decoder.drafter = Proposer(truth, COMMON["vocab_size"], 4)
+        decoder.block = 4
+        try:
+            out, acceptance, _ = decoder.generate(prompt, NEW, set(), True)
+        finally:
+            decoder.drafter, decoder.block = None, 1
+        margin = max(margin, worst_margin(alone, prompt, out))
+        seen.update(acceptance)
+    return margin, sorted(seen)
+
+
+def cropped_margin(decoder, prompts, truths):
+    """[`check_speculative`]'s margin with the cache the official package decodes with (the
+    config's layer kinds, recording its past, cropped after each verify step) and no copy: what
+    a crop alone takes back of a carried state. A refusal is a string."""
+    from transformers import DynamicCache
+
+    def recording():
+        cache = DynamicCache(config=decoder.model.config)
+        cache.activate_past_recording()
+        return cache
+
+    carried, decoder.carried, decoder._cache = decoder.carried, None, recording
+    try:
+        return check_speculative(decoder, prompts, truths)[0]
+    except (RuntimeError, ValueError) as e:
+        return f"refused: {str(e)[:120]}"
+    finally:
+        decoder.carried = carried
+        del decoder._cache
+
+
 def check(arch, tol, work):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     config = make_target.config_for(arch, COMMON, window=6, original_max=64)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # a carried state that weighs on the logits (the crop's power)
+        for name, p in model.named_parameters():
+            if "linear_attn" in name and p.dim() >= 2:
+                p.normal_(0.0, 0.2)
     path = os.path.join(work, arch)
     model.save_pretrained(path)
     decoder = Decoder(path, "f32")
@@ -102,17 +174,27 @@ def check(arch, tol, work):
     unmasked_margin = max(worst_margin(alone, p, o) for p, o in zip(prompts, unmasked)
                           if len(p) < longest)
 
-    ok = lengths_ok and margin <= tol and stop_ok and sampled_ok and unmasked_margin > 100 * tol
-    return ok, {"arch": arch, "ok": ok, "worst_greedy_margin": margin, "tol": tol,
-                "stop_ok": stop_ok, "sampled_equal_alone": sampled_ok,
-                "mask_dropped_margin": unmasked_margin,
-                "attention": alone.config._attn_implementation}
+    truths = [p + o for p, o in zip(prompts, greedy)]
+    spec_margin, accepted = check_speculative(decoder, prompts, truths)
+    row = {"arch": arch, "worst_greedy_margin": margin, "tol": tol, "stop_ok": stop_ok,
+           "sampled_equal_alone": sampled_ok, "mask_dropped_margin": unmasked_margin,
+           "speculative_margin": spec_margin, "accepted_lengths": accepted,
+           "carried_state": decoder.carried, "attention": alone.config._attn_implementation}
+    ok = (lengths_ok and margin <= tol and stop_ok and sampled_ok and unmasked_margin > 100 * tol
+          and spec_margin <= tol and accepted == [1, 2, 3, 4])
+    if decoder.carried is not None:
+        # Power: a crop alone does not take a carried state back.
+        row["cropped_margin"] = cropped_margin(decoder, prompts, truths)
+        ok = ok and not (isinstance(row["cropped_margin"], float)
+                         and row["cropped_margin"] <= 100 * tol)
+    row["ok"] = ok
+    return ok, row
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--tol", type=float, default=1e-5)
-    p.add_argument("--arch", default="qwen3,llama,qwen3_moe,gemma3_text,gpt_oss")
+    p.add_argument("--arch", default="qwen3,llama,qwen3_moe,gemma3_text,gpt_oss,qwen3_5_text")
     args = p.parse_args()
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     failed = False

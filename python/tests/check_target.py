@@ -1,7 +1,7 @@
 """The torch target's features against `transformers`' own hidden states.
 
-    python tests/check_target.py [--tol 1e-5] [--arch qwen3,llama,qwen3_moe,gemma3_text,gpt_oss]
-                                 [--packing off,on,varlen]
+    python tests/check_target.py [--tol 1e-5] [--arch qwen3,llama,qwen3_moe,gemma3_text,gpt_oss,...]
+                                 [--packing off,on,varlen] [--no-probe]
 
 For each architecture a tiny random model is made from a config (no download) and saved; the
 engine's `TorchTarget` loads it like any model directory and fills a batch of uneven lengths
@@ -12,7 +12,11 @@ through one variable-length kernel per layer, here a reference kernel that follo
 `torch.nn.attention.varlen`'s documented contract (the GPU check runs the real one). The reference is `output_hidden_states=True`
 of each sequence run alone, entry `k + 1` for layer id `k` (the last entry after the final norm).
 Also checks that the comparison can fail: the same tokens run as one row (sequences attending
-across each other) differ from the reference. Prints one JSON line per architecture and packing;
+across each other) differ from the reference. Qwen3.5's gated delta-net layers carry a state from
+token to token, so its packing is refused (rows of one length); gpt-neox names its layers' final
+norm otherwise. Last, the packing probe (`check_probe`): with the structural refusal switched off,
+the target's own packed-against-rows probe refuses Qwen3.5, and without the probe its packed
+features would differ. Prints one JSON line per architecture and packing;
 exits 0 when every difference is within --tol (f32).
 """
 
@@ -86,7 +90,8 @@ def reference_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, ret
     return (out, lse) if return_aux is not None and return_aux.lse else out
 
 
-def check(arch, packing, tol, work):
+def make(arch, work):
+    """The tiny random `arch`, saved under `work`: its directory and config."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -98,7 +103,26 @@ def check(arch, packing, tol, work):
                 p.add_(0.3 * torch.randn_like(p))
     path = os.path.join(work, arch)
     model.save_pretrained(path)
-    layers = model.config.num_hidden_layers
+    return path, model.config
+
+
+LENGTHS = [17, 5, 40, 17, 1, 23]
+
+
+def features(target, vocab):
+    """The target's features of a batch of `LENGTHS` (a budget that splits it over rows): the
+    tokens and the features."""
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, vocab, (sum(LENGTHS),), generator=gen).tolist()
+    out = torch.zeros(sum(LENGTHS), len(target.indices) * target.hidden)
+    nonfinite = target.features_into(tokens, LENGTHS, out, token_budget=48)
+    assert nonfinite is None, nonfinite
+    return tokens, out
+
+
+def check(arch, packing, tol, work):
+    path, config = make(arch, work)
+    layers = config.num_hidden_layers
     indices = [1, 3, layers]  # layer ids 0, 2 and the last (after the final norm)
     varlen = packing == "varlen"
     if varlen:  # the GPU's kernel path, through the reference kernel above
@@ -108,34 +132,60 @@ def check(arch, packing, tol, work):
     try:
         target = TorchTarget(path, indices, torch.float32, torch.device("cpu"),
                              packing="on" if varlen else packing)
-        gen = torch.Generator().manual_seed(1)
-        lengths = [17, 5, 40, 17, 1, 23]
-        tokens = torch.randint(0, model.config.vocab_size, (sum(lengths),),
-                               generator=gen).tolist()
-        out = torch.zeros(sum(lengths), len(indices) * target.hidden)
-        nonfinite = target.features_into(tokens, lengths, out, token_budget=48)
+        tokens, out = features(target, config.vocab_size)
     finally:
         target_module.VARLEN_DEVICES.discard("cpu")
         target_module.VARLEN_DTYPES.discard(torch.float32)
         varlen_module.varlen_attn = real_varlen
-    ref = reference(target.model, tokens, lengths, indices)
+    ref = reference(target.model, tokens, LENGTHS, indices)
     diff = (out - ref).abs().max().item()
     # The comparison's power: one row of all sequences lets later ones attend to earlier ones.
-    crossed = target.model.get_decoder()(input_ids=torch.tensor([tokens]),
-                                         output_hidden_states=True).hidden_states
+    crossed = target.model(input_ids=torch.tensor([tokens]),
+                           output_hidden_states=True).hidden_states
     crossed = torch.cat([crossed[i][0] for i in indices], dim=-1)
-    cross_diff = (crossed[lengths[0]:] - ref[lengths[0]:]).abs().max().item()
-    ok = diff <= tol and nonfinite is None and cross_diff > 100 * tol
-    return ok, {"arch": arch, "packing": target.packing, "max_abs_diff": diff, "tol": tol, "attention": target.attention,
-                "cross_sequence_diff": cross_diff, "nonfinite": nonfinite,
+    cross_diff = (crossed[LENGTHS[0]:] - ref[LENGTHS[0]:]).abs().max().item()
+    ok = diff <= tol and cross_diff > 100 * tol
+    return ok, {"arch": arch, "packing": target.packing, "max_abs_diff": diff, "tol": tol,
+                "attention": target.attention, "cross_sequence_diff": cross_diff,
                 "scale": ref.abs().max().item()}
+
+
+def check_probe(tol, work):
+    """Packing on a model whose structure gives no reason to refuse it, though a sequence's
+    state carries into the next (the gated delta-net layers of Qwen3.5 with the structural check
+    switched off): the target's own probe refuses it and the features equal the reference; with
+    the probe switched off too, packed features differ, so the probe is what kept them right."""
+    path, config = make("qwen3_5_text", work)
+    indices = [1, 3, config.num_hidden_layers]
+    refusal = target_module.packing_refusal
+    probe = TorchTarget._packing_disagrees
+    target_module.packing_refusal = lambda model: None
+    try:
+        target = TorchTarget(path, indices, torch.float32, torch.device("cpu"), packing="on")
+        tokens, out = features(target, config.vocab_size)
+        TorchTarget._packing_disagrees = lambda self: None
+        blind = TorchTarget(path, indices, torch.float32, torch.device("cpu"), packing="on")
+        _, leaked = features(blind, config.vocab_size)
+    finally:
+        target_module.packing_refusal = refusal
+        TorchTarget._packing_disagrees = probe
+    ref = reference(target.model, tokens, LENGTHS, indices)
+    diff = (out - ref).abs().max().item()
+    leak = (leaked - ref).abs().max().item()
+    ok = (diff <= tol and leak > 100 * tol and not target.packed and blind.packed
+          and "differs from rows of one length" in target.packing)
+    return ok, {"arch": "qwen3_5_text", "check": "probe", "packing": target.packing,
+                "max_abs_diff": diff, "tol": tol, "unprobed_diff": leak,
+                "unprobed_packing": blind.packing}
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--tol", type=float, default=1e-5)
-    p.add_argument("--arch", default="qwen3,llama,qwen3_moe,gemma3_text,gpt_oss")
+    p.add_argument("--arch",
+                   default="qwen3,llama,qwen3_moe,gemma3_text,gpt_oss,qwen3_5_text,gpt_neox")
     p.add_argument("--packing", default="off,on,varlen")
+    p.add_argument("--no-probe", action="store_true", help="skip the packing probe's check")
     args = p.parse_args()
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     failed = False
@@ -146,6 +196,11 @@ def main():
                 row["ok"] = ok
                 print(json.dumps(row), flush=True)
                 failed |= not ok
+        if not args.no_probe:
+            ok, row = check_probe(args.tol, work)
+            row["ok"] = ok
+            print(json.dumps(row), flush=True)
+            failed |= not ok
     sys.exit(1 if failed else 0)
 
 

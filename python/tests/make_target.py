@@ -4,7 +4,8 @@ end-to-end runs of the torch engine on architectures other than Qwen3.
 
     python tests/make_target.py --arch llama --like TINY_DIR --output DIR [--seed 0]
 
-Architectures: qwen3, llama (llama3 rope scaling), qwen3_moe, gemma3_text, gpt_oss. The widths
+Architectures: qwen3, llama (llama3 rope scaling), qwen3_moe, gemma3_text, gpt_oss, qwen3_5_text
+(gated delta-net layers between attention ones), gpt_neox (its final norm not named `norm`). The widths
 are init-tiny's (hidden 64, 4 layers, 4 heads / 2 key-value heads of 16, MLP 128); the vocabulary,
 the special tokens and the tokenizer files are those of --like.
 """
@@ -43,6 +44,16 @@ def config_for(arch, common, window, original_max):
         # 1.0 -> 1.05 with 1 of 4, 1.48 with 1 of 2, 1.61 and 1.95 with 4 of 4, seeds 0 and 1).
         return tf.GptOssConfig(**common, num_local_experts=4, num_experts_per_tok=4,
                                sliding_window=window)
+    if arch == "qwen3_5_text":
+        # Every other layer gated delta-net (Qwen3.5 has three of four).
+        layers = ["linear_attention", "full_attention"] * common["num_hidden_layers"]
+        return tf.Qwen3_5TextConfig(**common, layer_types=layers[:common["num_hidden_layers"]],
+                                    linear_num_key_heads=2, linear_num_value_heads=4,
+                                    linear_key_head_dim=common["head_dim"],
+                                    linear_value_head_dim=common["head_dim"])
+    if arch == "gpt_neox":
+        return tf.GPTNeoXConfig(**{k: v for k, v in common.items()
+                                   if k not in ("num_key_value_heads", "head_dim")})
     raise SystemExit(f"unknown architecture {arch!r}")
 
 

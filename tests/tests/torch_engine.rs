@@ -201,11 +201,17 @@ fn the_compiled_drafter_trains_as_the_eager_one() {
 
 /// The torch target's features equal `transformers`' `hidden_states[k + 1]` (f32, 1e-5) on a
 /// packed batch of uneven lengths, for Qwen3, Llama with llama3 rope scaling, Qwen3-MoE,
-/// Gemma-3 (sliding-window layers) and gpt-oss (attention sinks; eager attention on CPU); and
-/// the same tokens run as one row (sequences attending across) differ, so the check can fail.
+/// Gemma-3 (sliding-window layers), gpt-oss (attention sinks; eager attention on CPU),
+/// Qwen3.5 (gated delta-net layers, whose state would carry from one packed sequence into the
+/// next: packing refused, rows of one length) and gpt-neox (layers and final norm named
+/// otherwise); and the same tokens run as one row (sequences attending across) differ, so the
+/// check can fail. Last, the packing probe: with the structural refusal switched off, Qwen3.5's
+/// packed row is refused by the target's own comparison with rows of one length, its features
+/// stay right, and without the probe they would not.
 #[test]
 fn the_torch_targets_features_equal_transformers_on_packed_batches() {
     let rows = python_check("check_target.py", &["--tol", "1e-5"], &[]);
+    let (probe, rows) = rows.split_last().unwrap();
     // Each architecture three ways: rows of one length, packed rows on the CPU (each sequence's
     // own attention) and packed rows through the variable-length kernel's contract.
     let seen: Vec<(&str, &str)> = rows
@@ -214,17 +220,27 @@ fn the_torch_targets_features_equal_transformers_on_packed_batches() {
             let packing = r["packing"].as_str().unwrap();
             (
                 r["arch"].as_str().unwrap(),
-                packing.split(',').next().unwrap(),
+                packing.split([',', '(']).next().unwrap().trim(),
             )
         })
         .collect();
     let mut expected = Vec::new();
-    for arch in ["qwen3", "llama", "qwen3_moe", "gemma3_text", "gpt_oss"] {
+    for arch in [
+        "qwen3",
+        "llama",
+        "qwen3_moe",
+        "gemma3_text",
+        "gpt_oss",
+        "gpt_neox",
+    ] {
         expected.extend([
             (arch, "rows of one length"),
             (arch, "packed"),
             (arch, "packed"),
         ]);
+        if arch == "gpt_oss" {
+            expected.extend([("qwen3_5_text", "rows of one length"); 3]);
+        }
     }
     assert_eq!(seen, expected);
     let kernels: Vec<&str> = rows
@@ -237,28 +253,57 @@ fn the_torch_targets_features_equal_transformers_on_packed_batches() {
             "each sequence's own attention",
             "one variable-length kernel"
         ]
-        .repeat(5)
+        .repeat(6)
     );
-    for r in &rows {
+    for r in &rows[16..18] {
+        assert_eq!(
+            r["packing"],
+            "rows of one length (packing refused: layer types linear_attention are not attention)",
+            "{r}"
+        );
+    }
+    for r in rows {
         assert_eq!(r["ok"], true, "{r}");
         assert!(r["max_abs_diff"].as_f64().unwrap() <= 1e-5, "{r}");
         assert!(r["cross_sequence_diff"].as_f64().unwrap() > 1e-3, "{r}");
     }
+    assert_eq!(probe["check"], "probe", "{probe}");
+    assert_eq!(probe["ok"], true, "{probe}");
+    assert!(
+        probe["packing"]
+            .as_str()
+            .unwrap()
+            .contains("differs from rows of one length"),
+        "{probe}"
+    );
+    assert!(probe["max_abs_diff"].as_f64().unwrap() <= 1e-5, "{probe}");
+    assert!(probe["unprobed_diff"].as_f64().unwrap() > 1e-3, "{probe}");
 }
 
 /// `generate --engine torch` decodes a batch of prompts together (python/tests/check_generate.py),
-/// left-padded and masked: on Qwen3, Llama, Qwen3-MoE, Gemma-3 and gpt-oss (sliding windows
-/// shorter than the prompts), each greedy token is the argmax of the model run alone on its
-/// prompt and the tokens before it, a stop token ends its row only, and a sampled row draws what
-/// it draws decoded alone; the same batch with its padding attended is not greedy, so the check
-/// can fail.
+/// left-padded and masked: on Qwen3, Llama, Qwen3-MoE, Gemma-3, gpt-oss (sliding windows
+/// shorter than the prompts) and Qwen3.5 (gated delta-net layers), each greedy token is the
+/// argmax of the model run alone on its prompt and the tokens before it, a stop token ends its
+/// row only, and a sampled row draws what it draws decoded alone; the same batch with its
+/// padding attended is not greedy, so the check can fail. And `eval`'s greedy speculative
+/// decoding, with drafts accepted whole, in part and not at all, gives the greedy tokens on each:
+/// on Qwen3.5 its cache is copied before each verify step and put back after a rejection, since
+/// cropping a KV cache (what the official package does) leaves the rejected tokens in the
+/// carried state, which this check shows changes the tokens.
 #[test]
 fn the_torch_generate_decodes_a_batch_as_each_prompt_alone() {
     let rows = python_check("check_generate.py", &["--tol", "1e-5"], &[]);
     let archs: Vec<&str> = rows.iter().map(|r| r["arch"].as_str().unwrap()).collect();
     assert_eq!(
         archs,
-        ["qwen3", "llama", "qwen3_moe", "gemma3_text", "gpt_oss"]
+        [
+            "qwen3",
+            "llama",
+            "qwen3_moe",
+            "gemma3_text",
+            "gpt_oss",
+            "qwen3_5_text"
+        ]
     );
     for r in &rows {
         assert_eq!(r["ok"], true, "{r}");
@@ -266,6 +311,17 @@ fn the_torch_generate_decodes_a_batch_as_each_prompt_alone() {
         assert_eq!(r["stop_ok"], true, "{r}");
         assert_eq!(r["sampled_equal_alone"], true, "{r}");
         assert!(r["mask_dropped_margin"].as_f64().unwrap() > 1e-3, "{r}");
+        assert!(r["speculative_margin"].as_f64().unwrap() <= 1e-5, "{r}");
+        assert_eq!(
+            r["accepted_lengths"],
+            serde_json::json!([1, 2, 3, 4]),
+            "{r}"
+        );
+        let carried = r["arch"] == "qwen3_5_text";
+        assert_eq!(r["carried_state"].is_string(), carried, "{r}");
+        if carried {
+            assert!(r["cropped_margin"].as_f64().unwrap() > 1e-3, "{r}");
+        }
     }
 }
 
