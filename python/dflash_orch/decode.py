@@ -234,7 +234,7 @@ class Decoder:
             produced = len(gained)
             out = out[:start + 1] + gained
             # Keep the verified positions only: the block's first `produced` tokens.
-            if saved is None:
+            if self.carried is None:
                 self._crop_to(cache, start + produced)
             elif produced < len(tokens):
                 cache = saved

@@ -89,9 +89,9 @@ class Proposer:
 
 def check_speculative(decoder, prompts, truths):
     """Greedy speculative decoding (`Decoder.generate`, the path of `dflash-orch eval`) with
-    [`Proposer`] drafts of the greedy `truths`: the worst margin of its tokens against the
-    target's greedy ones, and the acceptance lengths seen (blocks accepted whole, in part and
-    not at all)."""
+    [`Proposer`] drafts of the greedy `truths`, and the baseline's plain decoding: the worst
+    margin of their tokens against the target's greedy ones, and the acceptance lengths seen
+    (blocks accepted whole, in part and not at all)."""
     alone = decoder.model
     margin, seen = 0.0, set()
     for prompt, truth in zip(prompts, truths):
@@ -103,6 +103,9 @@ def check_speculative(decoder, prompts, truths):
             decoder.drafter, decoder.block = None, 1
         margin = max(margin, worst_margin(alone, prompt, out))
         seen.update(acceptance)
+        # The baseline `eval` decodes beside: one token per step, nothing to take back.
+        out, _, _ = decoder.generate(prompt, NEW, set(), False)
+        margin = max(margin, worst_margin(alone, prompt, out))
     return margin, sorted(seen)
 
 
