@@ -193,7 +193,13 @@ def state_carrying(model):
     other = sorted({str(t) for t in types} - PACKABLE_LAYER_TYPES - {"chunked_attention"})
     if other:
         return f"layer types {', '.join(other)} are not attention"
-    for name, module in model.named_modules():
+    try:  # the decoder's layers: a vision or audio tower's convolutions mix no text tokens
+        _, layers = decoder_stack(model)
+        modules = [(f"layers.{i}.{name}".rstrip("."), module) for i, layer in enumerate(layers)
+                   for name, module in layer.named_modules()]
+    except ValueError:
+        modules = list(model.named_modules())
+    for name, module in modules:
         kind = type(module).__name__
         if isinstance(module, torch.nn.Conv1d) or _SEQUENCE_MIXER.search(kind):
             return f"{name} ({kind}) mixes tokens outside attention"

@@ -1534,6 +1534,50 @@ fn gpt_oss_end_to_end_on_torch() {
     torch_demo_with(dir.path(), &target, 1.3, &["--no-baseline"]);
 }
 
+/// Qwen3.5 (gated delta-net layers between attention ones: a state carried from token to token)
+/// end to end on the torch engine, from a checkpoint `transformers` wrote for it: the features
+/// from rows of one length (its packing would be refused), and `eval` lossless before and after
+/// training, where nearly every draft of this tiny random target is rejected (τ near 1.0: its
+/// replies are too erratic to learn in a test's minutes, at any of the weight scales tried), so
+/// nearly every verify step puts the target's copied cache back and runs the kept token again.
+/// Cropping that cache instead (what the official package does) is not lossless: see
+/// `the_torch_generate_decodes_a_batch_as_each_prompt_alone`.
+#[test]
+fn qwen3_5_end_to_end_on_torch_is_lossless() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = arch_target(dir.path(), "qwen3_5_text");
+    let config: Value =
+        serde_json::from_slice(&fs::read(target.join("config.json")).unwrap()).unwrap();
+    assert!(
+        config["layer_types"]
+            .as_array()
+            .unwrap()
+            .contains(&serde_json::json!("linear_attention")),
+        "{config}"
+    );
+    let demo = torch_demo_with(
+        dir.path(),
+        &target,
+        1.0,
+        &["--samples", "100", "--epochs", "2"],
+    );
+    let after = demo_report(&demo, "after");
+    let steps: u64 = after["per_prompt"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["steps"].as_u64().unwrap())
+        .sum();
+    // The share of verify steps that kept the whole block (the histogram's last entry): every
+    // other step took back a rejected draft.
+    let whole = after["histogram"].as_array().unwrap().last().unwrap();
+    let rolled_back = steps as f64 * (1.0 - whole.as_f64().unwrap());
+    assert!(
+        rolled_back >= 100.0,
+        "{steps} steps, {whole} whole: {after}"
+    );
+}
+
 /// A target the torch engine cannot serve is refused before anything starts: an architecture
 /// transformers does not know (launch and eval, exit 2, naming it), and a `--target-layer-ids`
 /// entry past the target's layers.
