@@ -87,6 +87,15 @@ struct RawDflashFields {
     selector_rank: Option<usize>,
     #[serde(default)]
     selector_top_k: Option<usize>,
+    /// Decode-time transforms the official package applies when a file sets them: the noise
+    /// embeddings' scale, the logits' multiplier and their soft-capping. This build decodes
+    /// drafters without them (1, 1, none) and refuses others by name.
+    #[serde(default)]
+    input_embedding_scale: Option<f64>,
+    #[serde(default)]
+    output_multiplier: Option<f64>,
+    #[serde(default)]
+    final_logit_softcapping: Option<f64>,
 }
 
 impl DraftConfig {
@@ -190,6 +199,37 @@ impl DraftConfig {
             return Err("the drafter's attention is causal within its block (is_causal, or sliding layers without is_causal: false), which this build does not decode".into());
         }
         let top = raw.top;
+        // Each read as the official package reads it: dflash_config first, then the top level.
+        let transforms = [
+            (
+                "input_embedding_scale",
+                fields.input_embedding_scale.or(top.input_embedding_scale),
+                1.0,
+                "its noise embeddings scaled",
+            ),
+            (
+                "output_multiplier",
+                fields.output_multiplier.or(top.output_multiplier),
+                1.0,
+                "its logits multiplied",
+            ),
+        ];
+        for (name, value, none, what) in transforms {
+            if let Some(v) = value.filter(|&v| v != none) {
+                return Err(format!(
+                    "{name} {v}: the drafter decodes with {what}, which this build does not do (it decodes drafters with {name} {none})"
+                ));
+            }
+        }
+        if let Some(v) = fields
+            .final_logit_softcapping
+            .or(top.final_logit_softcapping)
+            .filter(|&v| v > 0.0)
+        {
+            return Err(format!(
+                "final_logit_softcapping {v}: the drafter decodes with its logits soft-capped, which this build does not do"
+            ));
+        }
         let block_size = fields.block_size.or(top.block_size).unwrap_or(16);
         let mask_token_id = fields
             .mask_token_id
@@ -486,6 +526,12 @@ mod tests {
         assert_eq!(c.mask_token_id, 3);
         assert_eq!(c.target_layer_ids, vec![1, 2]);
         assert_eq!(c.shape.head_dim, 16);
+        // The decode-time transforms at their identities (or soft-capping off) are accepted.
+        let identity = r#", "mask_token_id": 3, "target_layer_ids": [0], "output_multiplier": 2.0,
+            "final_logit_softcapping": null,
+            "dflash_config": {"input_embedding_scale": 1.0, "output_multiplier": 1.0,
+                              "final_logit_softcapping": 0.0}"#;
+        DraftConfig::parse(config(identity).as_bytes()).unwrap();
     }
 
     #[test]
@@ -520,6 +566,25 @@ mod tests {
             (
                 r#", "mask_token_id": 1, "target_layer_ids": [1], "head_dim": 4096"#,
                 "head_dim 4096 is out of range",
+            ),
+            (
+                r#", "mask_token_id": 1, "target_layer_ids": [1],
+                "dflash_config": {"input_embedding_scale": 8.0}"#,
+                "input_embedding_scale 8: the drafter decodes with its noise embeddings scaled",
+            ),
+            (
+                r#", "mask_token_id": 1, "target_layer_ids": [1], "output_multiplier": 0.5"#,
+                "output_multiplier 0.5",
+            ),
+            (
+                r#", "mask_token_id": 1, "target_layer_ids": [1], "final_logit_softcapping": 30.0"#,
+                "final_logit_softcapping 30",
+            ),
+            // dflash_config's value is the one read, as the official package reads it.
+            (
+                r#", "mask_token_id": 1, "target_layer_ids": [1], "output_multiplier": 1.0,
+                "dflash_config": {"output_multiplier": 2.0}"#,
+                "output_multiplier 2",
             ),
         ] {
             let err = DraftConfig::parse(config(extra).as_bytes()).unwrap_err();
