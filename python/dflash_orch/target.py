@@ -114,11 +114,14 @@ def _varlen(module, query, key, value, dropout, scaling, sliding_window, kwargs)
         raise _Unpackable("attention logit soft-capping")
     if query.dtype not in VARLEN_DTYPES:
         raise _Unpackable(f"flash attention needs bf16 or f16, the target runs {query.dtype}")
-    if value.shape[-1] != query.shape[-1]:
-        raise _Unpackable(f"values of head dim {value.shape[-1]}, queries of {query.shape[-1]}")
-    if query.shape[-1] > 256:
-        raise _Unpackable(f"head dim {query.shape[-1]} is past flash attention's 256")
-    options = {"scale": scaling}
+    # Queries and keys of one head dim, values of another (multi-head latent attention): the
+    # kernel takes one, so the narrower side is padded with zeros (which add nothing to a score
+    # nor to an output kept) and the output cut back to the values' dim.
+    dim, value_dim = query.shape[-1], value.shape[-1]
+    width = max(dim, value_dim)
+    if width > 256:
+        raise _Unpackable(f"head dim {width} is past flash attention's 256")
+    options = {"scale": scaling if scaling is not None else dim ** -0.5}
     if "window_size" in parameters:
         options["window_size"] = (sliding_window - 1 if sliding_window else -1, 0)
     elif sliding_window is None and "is_causal" in parameters:
@@ -142,6 +145,11 @@ def _varlen(module, query, key, value, dropout, scaling, sliding_window, kwargs)
         else:
             k = k.repeat_interleave(heads // kv_heads, dim=1)
             v = v.repeat_interleave(heads // kv_heads, dim=1)
+    if dim < width:
+        q = torch.nn.functional.pad(q, (0, width - dim))
+        k = torch.nn.functional.pad(k, (0, width - dim))
+    if value_dim < width:
+        v = torch.nn.functional.pad(v, (0, width - value_dim))
     bounds = _Layout.device_bounds
     out = varlen.varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), bounds, bounds,
                              _Layout.longest, _Layout.longest, **options)
@@ -154,6 +162,8 @@ def _varlen(module, query, key, value, dropout, scaling, sliding_window, kwargs)
             raise _Unpackable(f"varlen_attn's log-sum-exp is {tuple(lse.shape)}")
         scale = torch.sigmoid(lse.float() - sinks.float().view(1, heads))
         out = (out.float() * scale.unsqueeze(-1)).to(out.dtype)
+    if value_dim < width:
+        out = out[..., :value_dim]
     return out.unsqueeze(0)  # [1, tokens, heads, dim], as transformers' functions answer
 
 
@@ -390,6 +400,8 @@ class TorchTarget:
             packed = self._packed_row(ids, lengths).float()
         except _Unpackable as e:
             return str(e)
+        except Exception as e:  # noqa: BLE001 (rows of one length are the reference path)
+            return f"the packed forward failed: {type(e).__name__}: {str(e)[:200]}"
         rows = torch.cat([self._rows(ids[a:a + n].unsqueeze(0))[0]
                           for a, n in zip((0, lengths[0]), lengths)]).float()
         n = len(self.indices)

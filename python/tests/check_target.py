@@ -14,7 +14,8 @@ of each sequence run alone, entry `k + 1` for layer id `k` (the last entry after
 Also checks that the comparison can fail: the same tokens run as one row (sequences attending
 across each other) differ from the reference. Qwen3.5's gated delta-net layers carry a state from
 token to token, so its packing is refused (rows of one length); gpt-neox names its layers' final
-norm otherwise. Last, the packing probe (`check_probe`): with the structural refusal switched off,
+norm otherwise; DeepSeek-V3's latent attention has values narrower than its queries (padded for
+the kernel). Last, the packing probe (`check_probe`): with the structural refusal switched off,
 the target's own packed-against-rows probe refuses Qwen3.5, and without the probe its packed
 features would differ. Prints one JSON line per architecture and packing;
 exits 0 when every difference is within --tol (f32).
@@ -65,6 +66,7 @@ def reference_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, ret
     query in its own sequence, the log-sum-exp `[heads, tokens]` when asked. Stands in for the
     GPU kernel so that the engine's wrapping of it (layout, windows, GQA, sinks) is checked here."""
     assert torch.equal(cu_seq_q, cu_seq_k) and max_q == max_k
+    assert query.shape[-1] == key.shape[-1] == value.shape[-1], "one head dim, as flash takes"
     heads = query.shape[1]
     if key.shape[1] != heads:
         assert enable_gqa
@@ -183,7 +185,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--tol", type=float, default=1e-5)
     p.add_argument("--arch",
-                   default="qwen3,llama,qwen3_moe,gemma3_text,gpt_oss,qwen3_5_text,gpt_neox")
+                   default="qwen3,llama,qwen3_moe,gemma3_text,gpt_oss,qwen3_5_text,gpt_neox,"
+                           "deepseek_v3")
     p.add_argument("--packing", default="off,on,varlen")
     p.add_argument("--no-probe", action="store_true", help="skip the packing probe's check")
     args = p.parse_args()

@@ -5,7 +5,8 @@ end-to-end runs of the torch engine on architectures other than Qwen3.
     python tests/make_target.py --arch llama --like TINY_DIR --output DIR [--seed 0]
 
 Architectures: qwen3, llama (llama3 rope scaling), qwen3_moe, gemma3_text, gpt_oss, qwen3_5_text
-(gated delta-net layers between attention ones), gpt_neox (its final norm not named `norm`). The widths
+(gated delta-net layers between attention ones), gpt_neox (its final norm not named `norm`),
+deepseek_v3 (latent attention, values narrower than queries; routed experts). The widths
 are init-tiny's (hidden 64, 4 layers, 4 heads / 2 key-value heads of 16, MLP 128); the vocabulary,
 the special tokens and the tokenizer files are those of --like.
 """
@@ -51,6 +52,16 @@ def config_for(arch, common, window, original_max):
                                     linear_num_key_heads=2, linear_num_value_heads=4,
                                     linear_key_head_dim=common["head_dim"],
                                     linear_value_head_dim=common["head_dim"])
+    if arch == "deepseek_v3":
+        # Multi-head latent attention: queries and keys of 16 (8 without rotary, 8 with), values
+        # of 8; a dense first layer, then 4 routed experts (2 a token) and a shared one.
+        fields = {k: v for k, v in common.items() if k not in ("head_dim",)}
+        fields["num_key_value_heads"] = fields["num_attention_heads"]
+        return tf.DeepseekV3Config(**fields, kv_lora_rank=16, q_lora_rank=None,
+                                   qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                                   n_routed_experts=4, num_experts_per_tok=2,
+                                   moe_intermediate_size=32, first_k_dense_replace=1, n_group=1,
+                                   topk_group=1)
     if arch == "gpt_neox":
         return tf.GPTNeoXConfig(**{k: v for k, v in common.items()
                                    if k not in ("num_key_value_heads", "head_dim")})

@@ -203,8 +203,9 @@ fn the_compiled_drafter_trains_as_the_eager_one() {
 /// packed batch of uneven lengths, for Qwen3, Llama with llama3 rope scaling, Qwen3-MoE,
 /// Gemma-3 (sliding-window layers), gpt-oss (attention sinks; eager attention on CPU),
 /// Qwen3.5 (gated delta-net layers, whose state would carry from one packed sequence into the
-/// next: packing refused, rows of one length) and gpt-neox (layers and final norm named
-/// otherwise); and the same tokens run as one row (sequences attending across) differ, so the
+/// next: packing refused, rows of one length), gpt-neox (layers and final norm named
+/// otherwise) and DeepSeek-V3 (latent attention: values narrower than queries and keys, padded
+/// for the kernel); and the same tokens run as one row (sequences attending across) differ, so the
 /// check can fail. Last, the packing probe: with the structural refusal switched off, Qwen3.5's
 /// packed row is refused by the target's own comparison with rows of one length, its features
 /// stay right, and without the probe they would not.
@@ -232,6 +233,7 @@ fn the_torch_targets_features_equal_transformers_on_packed_batches() {
         "gemma3_text",
         "gpt_oss",
         "gpt_neox",
+        "deepseek_v3",
     ] {
         expected.extend([
             (arch, "rows of one length"),
@@ -253,7 +255,7 @@ fn the_torch_targets_features_equal_transformers_on_packed_batches() {
             "each sequence's own attention",
             "one variable-length kernel"
         ]
-        .repeat(6)
+        .repeat(7)
     );
     for r in &rows[16..18] {
         assert_eq!(
