@@ -1,6 +1,6 @@
 """The torch engine's batched `generate` against each prompt decoded alone.
 
-    python tests/check_generate.py [--arch qwen3,llama,qwen3_moe,gemma3_text,gpt_oss,qwen3_5_text]
+    python tests/check_generate.py [--arch qwen3,llama,qwen3_moe,gemma3_text,gpt_oss,qwen3_5_text,...]
 
 For each architecture a tiny random model is made from a config (no download; Gemma 3 and
 gpt-oss with sliding windows shorter than the prompts) and saved; `Decoder.sample_batch`, the
@@ -197,7 +197,8 @@ def check(arch, tol, work):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--tol", type=float, default=1e-5)
-    p.add_argument("--arch", default="qwen3,llama,qwen3_moe,gemma3_text,gpt_oss,qwen3_5_text")
+    p.add_argument("--arch",
+                   default="qwen3,llama,qwen3_moe,gemma3_text,gpt_oss,qwen3_5_text,deepseek_v3")
     args = p.parse_args()
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     failed = False

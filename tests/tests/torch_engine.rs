@@ -284,7 +284,8 @@ fn the_torch_targets_features_equal_transformers_on_packed_batches() {
 
 /// `generate --engine torch` decodes a batch of prompts together (python/tests/check_generate.py),
 /// left-padded and masked: on Qwen3, Llama, Qwen3-MoE, Gemma-3, gpt-oss (sliding windows
-/// shorter than the prompts) and Qwen3.5 (gated delta-net layers), each greedy token is the
+/// shorter than the prompts), Qwen3.5 (gated delta-net layers) and DeepSeek-V3 (latent
+/// attention), each greedy token is the
 /// argmax of the model run alone on its prompt and the tokens before it, a stop token ends its
 /// row only, and a sampled row draws what it draws decoded alone; the same batch with its
 /// padding attended is not greedy, so the check can fail. And `eval`'s greedy speculative
@@ -304,7 +305,8 @@ fn the_torch_generate_decodes_a_batch_as_each_prompt_alone() {
             "qwen3_moe",
             "gemma3_text",
             "gpt_oss",
-            "qwen3_5_text"
+            "qwen3_5_text",
+            "deepseek_v3"
         ]
     );
     for r in &rows {
