@@ -332,9 +332,11 @@ class TorchTarget:
                  packing="off"):
         """The target of `model_dir` (or the loaded `model`, for the accounting benchmark).
         `packing`: `on` runs each micro-batch as packed rows (sequences back to back, positions
-        restarting, [`packed_attention`]), `off` as rows of one length, `auto` packs on a GPU."""
-        if packing not in ("on", "off", "auto"):
-            raise ValueError(f"target packing {packing!r} (expected on, off or auto)")
+        restarting, [`packed_attention`]), `off` as rows of one length, `auto` packs on a GPU,
+        `padded` as right-padded rows of sequences of near lengths (what a refused packing runs
+        instead: [`_padded_into`])."""
+        if packing not in ("on", "off", "auto", "padded"):
+            raise ValueError(f"target packing {packing!r} (expected on, off, auto or padded)")
         self.device = device
         self.dtype = dtype
         self.feature_dtype = feature_dtype or dtype
@@ -362,9 +364,10 @@ class TorchTarget:
         poison = os.environ.get(POISON_TOKEN_ENV, "").strip()
         self.poison = int(poison) if poison.isdigit() else None
         self.packed = packing == "on" or (packing == "auto" and device.type == "cuda")
+        self.padded = packing == "padded"
         self.packing = ("packed, " + ("one variable-length kernel" if device.type in VARLEN_DEVICES
                                       else "each sequence's own attention")
-                        if self.packed else "rows of one length")
+                        if self.packed else "padded rows" if self.padded else "rows of one length")
         if self.packed:
             from transformers import AttentionInterface
 
@@ -376,11 +379,12 @@ class TorchTarget:
                 self._unpack(refusal)
 
     def _unpack(self, reason):
-        """Rows of one length from now on, saying why packing was refused."""
+        """Padded rows from now on, saying why packing was refused."""
         self.packed = False
-        self.packing = f"rows of one length (packing refused: {reason})"
-        print(f"dflash_orch: the target runs rows of one length: {reason}", file=sys.stderr,
-              flush=True)
+        self.padded = True
+        self.packing = f"padded rows (packing refused: {reason})"
+        print(f"dflash_orch: the target runs padded rows, not packed ones: {reason}",
+              file=sys.stderr, flush=True)
 
     # Largest relative difference, per token, between a packed row and rows of one length that
     # still counts as the same features: rounding (half precision: two attention kernels, in
@@ -505,6 +509,8 @@ class TorchTarget:
             except _Unpackable as e:
                 self._unpack(str(e))
                 finite.fill_(True)
+        if self.padded:
+            return self._padded_into(all_ids, starts, lengths, out, budget, finite)
         # Rows of one length together, at most a budget's worth of tokens at a time.
         by_length = {}
         for s, length in enumerate(lengths):
@@ -522,6 +528,40 @@ class TorchTarget:
                 # them before the worker is answered.
                 for r, s in enumerate(group):
                     out[starts[s]:starts[s] + length].copy_(values[r], non_blocking=True)
+        return self._first_nonfinite(finite)
+
+    def _padded_into(self, all_ids, starts, lengths, out, budget, finite):
+        """[`features_into`] by right-padded rows: the sequences shortest first, as many a row
+        group as fit the budget at the group's longest length, each padded at its end to that
+        length and run from position 0 with no mask. A causal model's token sees only the tokens
+        before it, so the padding after a sequence changes none of its features, whatever its
+        layers carry from token to token (what packing cannot promise); the padding's own are
+        dropped."""
+        order = sorted((s for s, n in enumerate(lengths) if n > 0), key=lambda s: lengths[s])
+        groups, group = [], []
+        for s in order:
+            if group and (len(group) + 1) * lengths[s] > budget:
+                groups.append(group)
+                group = []
+            group.append(s)
+        if group:
+            groups.append(group)
+        for group in groups:
+            longest = lengths[group[-1]]
+            ids = torch.zeros((len(group), longest), dtype=torch.long)
+            for r, s in enumerate(group):
+                ids[r, :lengths[s]] = all_ids[starts[s]:starts[s] + lengths[s]]
+            ids = ids.to(self.device)
+            rows = self._rows(ids)
+            keep = [(r, s) for r, s in enumerate(group)]
+            real = torch.cat([rows[r, :lengths[s]] for r, s in keep])
+            real_ids = torch.cat([ids[r, :lengths[s]] for r, s in keep])
+            values = self._checked(real, real_ids, finite)
+            at = 0
+            for _, s in keep:
+                n = lengths[s]
+                out[starts[s]:starts[s] + n].copy_(values[at:at + n], non_blocking=True)
+                at += n
         return self._first_nonfinite(finite)
 
     def _checked(self, values, ids, finite):

@@ -1,7 +1,7 @@
 """The torch target's features against `transformers`' own hidden states.
 
     python tests/check_target.py [--tol 1e-5] [--arch qwen3,llama,qwen3_moe,gemma3_text,gpt_oss,...]
-                                 [--packing off,on,varlen] [--no-probe]
+                                 [--packing off,on,varlen,padded] [--no-probe]
 
 For each architecture a tiny random model is made from a config (no download) and saved; the
 engine's `TorchTarget` loads it like any model directory and fills a batch of uneven lengths
@@ -9,11 +9,12 @@ engine's `TorchTarget` loads it like any model directory and fills a batch of un
 `on` packed rows (positions restarting per sequence, each sequence's attention its own), with
 a budget that splits the batch over several rows, and `varlen` the packed rows as a GPU runs them,
 through one variable-length kernel per layer, here a reference kernel that follows
-`torch.nn.attention.varlen`'s documented contract (the GPU check runs the real one). The reference is `output_hidden_states=True`
+`torch.nn.attention.varlen`'s documented contract (the GPU check runs the real one), and `padded`
+right-padded rows of near lengths without a mask (what a refused packing runs). The reference is `output_hidden_states=True`
 of each sequence run alone, entry `k + 1` for layer id `k` (the last entry after the final norm).
 Also checks that the comparison can fail: the same tokens run as one row (sequences attending
 across each other) differ from the reference. Qwen3.5's gated delta-net layers carry a state from
-token to token, so its packing is refused (rows of one length); gpt-neox names its layers' final
+token to token, so its packing is refused (padded rows); gpt-neox names its layers' final
 norm otherwise; DeepSeek-V3's latent attention has values narrower than its queries (padded for
 the kernel). Last, the packing probe (`check_probe`): with the structural refusal switched off,
 the target's own packed-against-rows probe refuses Qwen3.5, and without the probe its packed
@@ -108,7 +109,7 @@ def make(arch, work):
     return path, model.config
 
 
-LENGTHS = [17, 5, 40, 17, 1, 23]
+LENGTHS = [17, 5, 40, 9, 1, 23]
 
 
 def features(target, vocab):
@@ -187,7 +188,7 @@ def main():
     p.add_argument("--arch",
                    default="qwen3,llama,qwen3_moe,gemma3_text,gpt_oss,qwen3_5_text,gpt_neox,"
                            "deepseek_v3")
-    p.add_argument("--packing", default="off,on,varlen")
+    p.add_argument("--packing", default="off,on,varlen,padded")
     p.add_argument("--no-probe", action="store_true", help="skip the packing probe's check")
     args = p.parse_args()
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

@@ -203,18 +203,20 @@ fn the_compiled_drafter_trains_as_the_eager_one() {
 /// packed batch of uneven lengths, for Qwen3, Llama with llama3 rope scaling, Qwen3-MoE,
 /// Gemma-3 (sliding-window layers), gpt-oss (attention sinks; eager attention on CPU),
 /// Qwen3.5 (gated delta-net layers, whose state would carry from one packed sequence into the
-/// next: packing refused, rows of one length), gpt-neox (layers and final norm named
+/// next: packing refused, for right-padded rows), gpt-neox (layers and final norm named
 /// otherwise) and DeepSeek-V3 (latent attention: values narrower than queries and keys, padded
-/// for the kernel); and the same tokens run as one row (sequences attending across) differ, so the
-/// check can fail. Last, the packing probe: with the structural refusal switched off, Qwen3.5's
+/// for the kernel); each also as right-padded rows of near lengths without a mask (what a
+/// refused packing runs); and the same tokens run as one row (sequences attending across)
+/// differ, so the check can fail. Last, the packing probe: with the structural refusal switched off, Qwen3.5's
 /// packed row is refused by the target's own comparison with rows of one length, its features
 /// stay right, and without the probe they would not.
 #[test]
 fn the_torch_targets_features_equal_transformers_on_packed_batches() {
     let rows = python_check("check_target.py", &["--tol", "1e-5"], &[]);
     let (probe, rows) = rows.split_last().unwrap();
-    // Each architecture three ways: rows of one length, packed rows on the CPU (each sequence's
-    // own attention) and packed rows through the variable-length kernel's contract.
+    // Each architecture four ways: rows of one length, packed rows on the CPU (each sequence's
+    // own attention), packed rows through the variable-length kernel's contract, and padded
+    // rows. Qwen3.5's packing is refused, for padded rows.
     let seen: Vec<(&str, &str)> = rows
         .iter()
         .map(|r| {
@@ -232,17 +234,21 @@ fn the_torch_targets_features_equal_transformers_on_packed_batches() {
         "qwen3_moe",
         "gemma3_text",
         "gpt_oss",
+        "qwen3_5_text",
         "gpt_neox",
         "deepseek_v3",
     ] {
+        let packed = if arch == "qwen3_5_text" {
+            "padded rows"
+        } else {
+            "packed"
+        };
         expected.extend([
             (arch, "rows of one length"),
-            (arch, "packed"),
-            (arch, "packed"),
+            (arch, packed),
+            (arch, packed),
+            (arch, "padded rows"),
         ]);
-        if arch == "gpt_oss" {
-            expected.extend([("qwen3_5_text", "rows of one length"); 3]);
-        }
     }
     assert_eq!(seen, expected);
     let kernels: Vec<&str> = rows
@@ -257,10 +263,10 @@ fn the_torch_targets_features_equal_transformers_on_packed_batches() {
         ]
         .repeat(7)
     );
-    for r in &rows[16..18] {
+    for r in &rows[21..23] {
         assert_eq!(
             r["packing"],
-            "rows of one length (packing refused: layer types linear_attention are not attention)",
+            "padded rows (packing refused: layer types linear_attention are not attention)",
             "{r}"
         );
     }
