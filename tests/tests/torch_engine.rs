@@ -538,7 +538,8 @@ fn the_engines_train_alike_from_the_same_plan() {
 
 /// `launch --dry-run` plans each worker on its own engine: a torch target holds the whole model
 /// (its weight files' bytes, in f32 on CPU workers) and its Python side; a mixed run plans the
-/// candle drafter as candle's.
+/// candle drafter as candle's; a target of another architecture than Qwen3 is planned on torch
+/// and refused on candle.
 #[test]
 fn the_dry_run_plans_the_torch_workers() {
     let dir = tempfile::tempdir().unwrap();
@@ -639,6 +640,38 @@ fn the_dry_run_plans_the_torch_workers() {
     assert!(on_gpus("candle").contains("without CUDA"));
     let torch_refusals = on_gpus("torch");
     assert!(!torch_refusals.contains("without CUDA"), "{torch_refusals}");
+    // A target of another architecture (Qwen3.5: no q_norm, gated delta-net layers) is planned
+    // on torch as a launch takes it, its tensors `transformers`' business; candle refuses it,
+    // naming the engine that runs it.
+    let other = dir.path().join("other");
+    fs::create_dir(&other).unwrap();
+    let qwen3_5 = arch_target(&other, "qwen3_5_text");
+    let dry = |engine: &str| {
+        launch(
+            &dir.path().join("run"),
+            &qwen3_5,
+            engine,
+            &["--dry-run", "--json"],
+        )
+        .stdout(Stdio::piped())
+        .output()
+        .unwrap()
+    };
+    let out = dry("torch");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let plan: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(plan["refusals"], serde_json::json!([]), "{plan}");
+    let refused = dry("candle");
+    assert!(!refused.status.success());
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("--engine torch"),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
     assert!(
         !dir.path().join("run").exists(),
         "a dry run creates nothing"

@@ -229,12 +229,17 @@ pub fn dry_run(config: &RunConfig, gpu_memory: Option<u64>) -> Result<DryRun, Ru
         let checked = dflash_common::dflash::read_config_for(dir, settings.engines.target)
             .map_err(|e| RunError::Invalid(format!("--target-model {e}")))?;
         match dflash_common::dflash::weight_files(dir) {
-            Ok(_) => crate::model_dir::check_weights(
-                dir,
-                &checked,
-                settings.target_layers_needed(checked.num_hidden_layers),
-            )
-            .map_err(|e| RunError::Invalid(format!("--target-model {e}")))?,
+            // The candle target's tensors are Qwen3's; the torch engine's are what
+            // `transformers` makes of the architecture (as a launch checks them).
+            Ok(_) if settings.engines.target == dflash_common::dflash::Engine::Candle => {
+                crate::model_dir::check_weights(
+                    dir,
+                    &checked,
+                    settings.target_layers_needed(checked.num_hidden_layers),
+                )
+                .map_err(|e| RunError::Invalid(format!("--target-model {e}")))?
+            }
+            Ok(_) => {}
             Err(e) => notes.push(format!(
                 "the target's weights were not checked ({e}): a launch needs them"
             )),
