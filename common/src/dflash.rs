@@ -819,6 +819,28 @@ pub fn read_config_for(dir: &Path, engine: Engine) -> Result<Qwen3Config, ModelD
             raw["architectures"] = a;
         }
     }
+    // Architectures without grouped-query attention leave num_key_value_heads out of their
+    // config; transformers reads it as num_attention_heads, and so does the torch engine here.
+    if any
+        && raw.get("num_key_value_heads").is_none()
+        && let Some(heads) = raw.get("num_attention_heads").cloned()
+    {
+        raw["num_key_value_heads"] = heads;
+    }
+    // The drafter's norms take the target's epsilon: a LayerNorm architecture names it
+    // otherwise, and one that names none has transformers' usual 1e-6.
+    if any && raw.is_object() && raw.get("rms_norm_eps").is_none() {
+        let eps = [
+            "layer_norm_eps",
+            "layer_norm_epsilon",
+            "norm_eps",
+            "norm_epsilon",
+        ]
+        .iter()
+        .find_map(|k| raw.get(*k).filter(|v| v.is_number()).cloned())
+        .unwrap_or(serde_json::json!(1e-6));
+        raw["rms_norm_eps"] = eps;
+    }
     let what = if any { "a causal LM" } else { "a Qwen3" };
     let mut config: Qwen3Config = serde_json::from_value(raw.clone())
         .map_err(|e| ModelDirError::new(&path, format!("not {what} config: {e}")))?;
@@ -1161,6 +1183,39 @@ impl DflashSettings {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The torch engine reads any causal LM's config as `transformers` does: a multimodal one's
+    /// `text_config` (its architectures kept), `num_key_value_heads` as `num_attention_heads`
+    /// where the architecture has no grouped-query attention, and the norms' epsilon where a
+    /// LayerNorm architecture names it; candle reads none of these.
+    #[test]
+    fn the_torch_engine_reads_configs_as_transformers_does() {
+        let dir = tempfile::tempdir().unwrap();
+        let write = |text: &str| std::fs::write(dir.path().join("config.json"), text).unwrap();
+        let widths = r#""vocab_size": 600, "hidden_size": 48, "intermediate_size": 96,
+            "num_hidden_layers": 4, "num_attention_heads": 4"#;
+        write(&format!(
+            r#"{{"architectures": ["GPTNeoXForCausalLM"], {widths}, "layer_norm_eps": 1e-5}}"#
+        ));
+        let c = read_config_for(dir.path(), Engine::Torch).unwrap();
+        assert_eq!((c.num_attention_heads, c.num_key_value_heads), (4, 4));
+        assert_eq!(c.rms_norm_eps, 1e-5);
+        let e = read_config_for(dir.path(), Engine::Candle).unwrap_err();
+        assert!(e.to_string().contains("missing field"), "{e}");
+        write(&format!(
+            r#"{{"architectures": ["Qwen3_5ForConditionalGeneration"],
+                "text_config": {{{widths}, "num_key_value_heads": 2}}, "vision_config": {{}}}}"#
+        ));
+        let c = read_config_for(dir.path(), Engine::Torch).unwrap();
+        assert_eq!((c.hidden_size, c.num_key_value_heads), (48, 2));
+        assert_eq!(c.rms_norm_eps, 1e-6);
+        assert_eq!(c.architectures, ["Qwen3_5ForConditionalGeneration"]);
+        // Not an object, or heads of another type: refused, never a panic.
+        for bad in ["[]", "7", r#"{"num_attention_heads": "four"}"#] {
+            write(bad);
+            assert!(read_config_for(dir.path(), Engine::Torch).is_err(), "{bad}");
+        }
+    }
 
     #[test]
     fn rope_theta_is_read_where_either_transformers_writes_it_and_scaling_refused() {

@@ -65,6 +65,48 @@ pub fn tensor_shapes(path: &Path) -> Result<BTreeMap<String, Vec<usize>>, ModelD
     Ok(shapes)
 }
 
+/// The tensor names of a safetensors file, from its header alone (tensors of any dtype).
+pub fn tensor_names(path: &Path) -> Result<Vec<String>, ModelDirError> {
+    let bytes = header_bytes(path)?;
+    let table: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&bytes[8..])
+        .map_err(|e| ModelDirError::new(path, format!("not a safetensors header: {e}")))?;
+    Ok(table
+        .into_iter()
+        .map(|(k, _)| k)
+        .filter(|k| k != "__metadata__")
+        .collect())
+}
+
+/// Checks what the torch drafter reads of a torch target's weights (`load_heads`,
+/// python/dflash_orch/drafter.py): its input embedding, the one `*embed_tokens.weight` tensor.
+/// (Whether the output head is tied to it, the drafter reads from the config as `transformers`
+/// does; the target's other tensors are `transformers`' to judge.)
+pub fn check_torch_heads(dir: &Path) -> Result<(), ModelDirError> {
+    let mut embeds = Vec::new();
+    for file in weight_files(dir)? {
+        embeds.extend(
+            tensor_names(&file)?
+                .into_iter()
+                .filter(|n| n.ends_with("embed_tokens.weight")),
+        );
+    }
+    if embeds.len() == 1 {
+        return Ok(());
+    }
+    embeds.sort();
+    Err(ModelDirError::new(
+        dir,
+        format!(
+            "the drafter takes the target's input embedding from its one *embed_tokens.weight tensor, and the weights have {}",
+            if embeds.is_empty() {
+                "none".to_string()
+            } else {
+                format!("{embeds:?}")
+            }
+        ),
+    ))
+}
+
 /// Checks that the weights in `dir` hold every tensor a run needs, with the shapes `config`
 /// implies: the embedding, the output head (unless tied), the decoder layers up to `layers`,
 /// and the final norm when every layer runs.

@@ -1622,8 +1622,8 @@ fn qwen3_5_end_to_end_on_torch_is_lossless() {
 }
 
 /// A target the torch engine cannot serve is refused before anything starts: an architecture
-/// transformers does not know (launch and eval, exit 2, naming it), and a `--target-layer-ids`
-/// entry past the target's layers.
+/// transformers does not know (launch and eval, exit 2, naming it), a `--target-layer-ids`
+/// entry past the target's layers, and weights without the input embedding the drafter reads.
 #[test]
 fn a_target_the_torch_engine_cannot_serve_is_refused_up_front() {
     let dir = tempfile::tempdir().unwrap();
@@ -1670,4 +1670,27 @@ fn a_target_the_torch_engine_cannot_serve_is_refused_up_front() {
         &test_python(),
         "layer 9 is beyond the target's 4 layers",
     );
+    // An architecture transformers runs, whose input embedding the drafter would not find
+    // (gpt-neox names it embed_in): refused by launch, its dry run and eval, naming the tensor.
+    let other = dir.path().join("other");
+    fs::create_dir(&other).unwrap();
+    let neox = arch_target(&other, "gpt_neox");
+    let needle = "its one *embed_tokens.weight tensor, and the weights have none";
+    refused_on(&neox, &torch_on_cpus, &test_python(), needle);
+    let out = orch(&[
+        "eval",
+        "--target-model",
+        neox.to_str().unwrap(),
+        "--drafter",
+        neox.to_str().unwrap(),
+        "--prompts",
+        tiny.join("config.json").to_str().unwrap(),
+        "--engine",
+        "torch",
+        "--python",
+        test_python().to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains(needle), "{stderr}");
 }

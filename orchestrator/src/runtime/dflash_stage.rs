@@ -33,7 +33,8 @@ pub(super) fn check(
         .map_err(|e| invalid(format!("--target-model {e}")))?;
     } else {
         // transformers judges the architecture's tensors; the drafter needs the two heads.
-        dflash::weight_files(dir).map_err(|e| invalid(format!("--target-model {e}")))?;
+        crate::model_dir::check_torch_heads(dir)
+            .map_err(|e| invalid(format!("--target-model {e}")))?;
     }
     settings.check(&target).map_err(invalid)?;
     let vocab = target.vocab_size as u64;

@@ -239,7 +239,8 @@ pub fn dry_run(config: &RunConfig, gpu_memory: Option<u64>) -> Result<DryRun, Ru
                 )
                 .map_err(|e| RunError::Invalid(format!("--target-model {e}")))?
             }
-            Ok(_) => {}
+            Ok(_) => crate::model_dir::check_torch_heads(dir)
+                .map_err(|e| RunError::Invalid(format!("--target-model {e}")))?,
             Err(e) => notes.push(format!(
                 "the target's weights were not checked ({e}): a launch needs them"
             )),

@@ -668,6 +668,9 @@ pub fn prepare(args: &EvalArgs) -> Result<Prepared, CliError> {
     if engine == dflash_common::dflash::Engine::Candle {
         crate::model_dir::check_weights(&args.target_model, &target, target.num_hidden_layers)
             .map_err(|e| invalid(format!("--target-model {e}")))?;
+    } else {
+        crate::model_dir::check_torch_heads(&args.target_model)
+            .map_err(|e| invalid(format!("--target-model {e}")))?;
     }
     let drafter = resolve_drafter(&args.drafter).map_err(invalid)?;
     let draft = DraftConfig::read(&drafter).map_err(|e| invalid(format!("--drafter {e}")))?;
