@@ -1647,23 +1647,27 @@ fn a_target_the_torch_engine_cannot_serve_is_refused_up_front() {
         &test_python(),
         "--engine torch",
     );
-    // eval refuses the same target the same way, before starting a worker.
-    let out = orch(&[
-        "eval",
-        "--target-model",
-        unknown.to_str().unwrap(),
-        "--drafter",
-        unknown.to_str().unwrap(),
-        "--prompts",
-        tiny.join("config.json").to_str().unwrap(),
-        "--engine",
-        "torch",
-        "--python",
-        test_python().to_str().unwrap(),
-    ]);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{stderr}");
-    assert!(!stderr.contains("panicked"), "{stderr}");
+    // eval refuses the same target the same way, before starting a worker: its stderr.
+    let eval_refused = |target: &Path| -> String {
+        let out = orch(&[
+            "eval",
+            "--target-model",
+            target.to_str().unwrap(),
+            "--drafter",
+            target.to_str().unwrap(),
+            "--prompts",
+            tiny.join("config.json").to_str().unwrap(),
+            "--engine",
+            "torch",
+            "--python",
+            test_python().to_str().unwrap(),
+        ]);
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        stderr
+    };
+    eval_refused(&unknown);
     // A layer id past the target's four layers.
     refused(
         &[torch_on_cpus.as_slice(), &["--target-layer-ids", "0,9"]].concat(),
@@ -1677,20 +1681,6 @@ fn a_target_the_torch_engine_cannot_serve_is_refused_up_front() {
     let neox = arch_target(&other, "gpt_neox");
     let needle = "its one *embed_tokens.weight tensor, and the weights have none";
     refused_on(&neox, &torch_on_cpus, &test_python(), needle);
-    let out = orch(&[
-        "eval",
-        "--target-model",
-        neox.to_str().unwrap(),
-        "--drafter",
-        neox.to_str().unwrap(),
-        "--prompts",
-        tiny.join("config.json").to_str().unwrap(),
-        "--engine",
-        "torch",
-        "--python",
-        test_python().to_str().unwrap(),
-    ]);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    let stderr = eval_refused(&neox);
     assert!(stderr.contains(needle), "{stderr}");
 }
