@@ -122,12 +122,11 @@ def verify_drafts(proposal, target, generator):
 class Decoder:
     """The target with its KV cache, and optionally the drafter."""
 
-    def __init__(self, target_dir, precision, drafter=None, block_size=None, model=None):
+    def __init__(self, target_dir, precision, drafter=None, block_size=None):
         from .target import device_for, dtype_of, load_causal_lm, state_carrying
 
         self.device = device_for(os.environ.get("CUDA_VISIBLE_DEVICES"))
-        self.model = model if model is not None else load_causal_lm(
-            target_dir, dtype_of(precision), self.device)
+        self.model = load_causal_lm(target_dir, dtype_of(precision), self.device)
         self.layers = int(self.model.config.get_text_config().num_hidden_layers)
         self.drafter = drafter
         self.block = block_size or (drafter.block if drafter else 1)
@@ -152,9 +151,9 @@ class Decoder:
 
     @staticmethod
     def _crop_to(cache, length):
-        """Keeps the first `length` positions of `cache`: a crop by the count to remove (negative;
-        0 trims a recording sliding window back to its size), which every transformers since the
-        cache API takes."""
+        """Keeps the first `length` positions of `cache`: a crop by the count to remove (a
+        negative one), which every transformers since the cache API takes, where 5.18 drops the
+        positive one (a length to keep)."""
         cache.crop(-max(cache.get_seq_length() - length, 0))
 
     def _run(self, tokens, cache, start, features):
