@@ -1394,12 +1394,12 @@ fn official_agrees(dir: &Path, target: &Path, demo: &Value) {
     }
 }
 
-/// Qwen3 end to end on the torch engine, checked by the official package.
+/// Qwen3 end to end on the torch engine (five epochs), checked by the official package.
 #[test]
 fn qwen3_end_to_end_on_torch_and_the_official_package_agrees() {
     let dir = tempfile::tempdir().unwrap();
     let target = arch_target(dir.path(), "qwen3");
-    let demo = torch_demo(dir.path(), &target, 1.5);
+    let demo = torch_demo_with(dir.path(), &target, 1.5, &["--epochs", "5"]);
     official_agrees(dir.path(), &target, &demo);
 }
 
@@ -1546,22 +1546,32 @@ fn dflash2_checkpoint(demo: &Value) {
     }
 }
 
-/// Llama with llama3 RoPE scaling end to end on the torch engine, checked by the official
-/// package.
+/// Llama with llama3 RoPE scaling end to end on the torch engine (five epochs), checked by
+/// the official package.
 #[test]
 fn llama_end_to_end_on_torch_and_the_official_package_agrees() {
     let dir = tempfile::tempdir().unwrap();
     let target = arch_target(dir.path(), "llama");
-    let demo = torch_demo_with(dir.path(), &target, 1.5, &["--no-baseline"]);
+    let demo = torch_demo_with(
+        dir.path(),
+        &target,
+        1.5,
+        &["--no-baseline", "--epochs", "5"],
+    );
     official_agrees(dir.path(), &target, &demo);
 }
 
-/// Qwen3-MoE end to end on the torch engine.
+/// Qwen3-MoE end to end on the torch engine (five epochs).
 #[test]
 fn qwen3_moe_end_to_end_on_torch() {
     let dir = tempfile::tempdir().unwrap();
     let target = arch_target(dir.path(), "qwen3_moe");
-    torch_demo_with(dir.path(), &target, 1.5, &["--no-baseline"]);
+    torch_demo_with(
+        dir.path(),
+        &target,
+        1.5,
+        &["--no-baseline", "--epochs", "5"],
+    );
 }
 
 /// gpt-oss (MoE with its router, attention sinks, sliding-window layers) end to end on the torch
@@ -1579,8 +1589,9 @@ fn gpt_oss_end_to_end_on_torch() {
 
 /// Qwen3.5 (gated delta-net layers between attention ones: a state carried from token to token)
 /// end to end on the torch engine, from a checkpoint `transformers` wrote for it: the features
-/// from rows of one length (its packing would be refused), and `eval` lossless before and after
-/// training, where nearly every draft of this tiny random target is rejected (τ near 1.0: its
+/// from rows of one length (its packing would be refused), and `eval` lossless after a short
+/// training (60 conversations, one epoch: 3 held-out prompts), where nearly every draft of this
+/// tiny random target is rejected (τ near 1.0: its
 /// replies are too erratic to learn in a test's minutes, at any of the weight scales tried), so
 /// nearly every verify step puts the target's copied cache back and runs the kept token again.
 /// Cropping that cache instead (what the official package does) is not lossless: see
@@ -1602,7 +1613,7 @@ fn qwen3_5_end_to_end_on_torch_is_lossless() {
         dir.path(),
         &target,
         1.0,
-        &["--samples", "100", "--epochs", "2"],
+        &["--samples", "60", "--epochs", "1", "--no-baseline"],
     );
     let after = demo_report(&demo, "after");
     let steps: u64 = after["per_prompt"]
@@ -1615,10 +1626,7 @@ fn qwen3_5_end_to_end_on_torch_is_lossless() {
     // other step took back a rejected draft.
     let whole = after["histogram"].as_array().unwrap().last().unwrap();
     let rolled_back = steps as f64 * (1.0 - whole.as_f64().unwrap());
-    assert!(
-        rolled_back >= 100.0,
-        "{steps} steps, {whole} whole: {after}"
-    );
+    assert!(rolled_back >= 50.0, "{steps} steps, {whole} whole: {after}");
 }
 
 /// A target the torch engine cannot serve is refused before anything starts: an architecture
