@@ -544,7 +544,7 @@ fn the_engines_train_alike_from_the_same_plan() {
 fn the_dry_run_plans_the_torch_workers() {
     let dir = tempfile::tempdir().unwrap();
     let target = tiny_target(dir.path());
-    // Run from a directory where another user planted modules (see `torch_demo`): the dry
+    // Run from a directory where another user planted modules (see `torch_demo_with`): the dry
     // run's pre-flight imports none of them.
     let planted = Planted::new(dir.path());
     let plan = |engine: &str| -> Value {
@@ -1225,12 +1225,9 @@ fn arch_target(dir: &Path, arch: &str) -> PathBuf {
 /// It runs from a directory where another user planted modules named as what the engine imports
 /// (`torch`, `transformers`, our `dflash_orch`, ...), which `PYTHONPATH` names too: none of them
 /// runs, in the pre-flight, the workers' engine, `generate` or `eval`.
-fn torch_demo(dir: &Path, target: &Path, gain: f64) -> Value {
-    torch_demo_with(dir, target, gain, &[])
-}
-
-/// [`torch_demo`] with more `demo` options, or others than its 200 conversations (10 held out)
-/// and 10 epochs.
+///
+/// `extra`: more `demo` options, or others than its 200 conversations (10 held out) and 10
+/// epochs.
 fn torch_demo_with(dir: &Path, target: &Path, gain: f64, extra: &[&str]) -> Value {
     let run = dir.join("demo");
     let planted = Planted::new(dir);
