@@ -553,12 +553,11 @@ class TorchTarget:
                 ids[r, :lengths[s]] = all_ids[starts[s]:starts[s] + lengths[s]]
             ids = ids.to(self.device)
             rows = self._rows(ids)
-            keep = [(r, s) for r, s in enumerate(group)]
-            real = torch.cat([rows[r, :lengths[s]] for r, s in keep])
-            real_ids = torch.cat([ids[r, :lengths[s]] for r, s in keep])
+            real = torch.cat([rows[r, :lengths[s]] for r, s in enumerate(group)])
+            real_ids = torch.cat([ids[r, :lengths[s]] for r, s in enumerate(group)])
             values = self._checked(real, real_ids, finite)
             at = 0
-            for _, s in keep:
+            for s in group:
                 n = lengths[s]
                 out[starts[s]:starts[s] + n].copy_(values[at:at + n], non_blocking=True)
                 at += n
