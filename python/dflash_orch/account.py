@@ -29,7 +29,6 @@ on the step's path (no prefetch overlaps them). MFU is useful FLOPs / (step time
 TFLOP/s).
 """
 
-import argparse
 import json
 import math
 import os
@@ -44,6 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from . import blocks
+from .account_cli import ANCHORS, BUDGET
 
 PEAK_BF16 = 989e12
 PEAK_F32 = 67e12
@@ -63,8 +63,6 @@ QWEN3_8B = {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 1228
 DRAFT_LAYERS = 5
 STATES = 5
 BLOCK = 16
-ANCHORS = 512
-BUDGET = 49152
 
 GEMMS = {"mm", "addmm", "bmm", "baddbmm", "linear", "matmul", "_scaled_mm"}
 
@@ -565,72 +563,8 @@ def table(results, title):
 # --anchor-chunk auto` picked for the torch drafter at these settings on an H200 before it sized
 # chunks from the GPU's memory (one chunk's activations aimed at 12 GiB, a dense mask counted),
 # the batched path at the one it picks now (`launch --dry-run --gpu-memory 141 --max-len 8192`).
-DEFAULT_CHUNKS = "legacy=188,batched=3222"
-
-
-def parse_chunks(text, paths):
-    """`N` (every path) or `PATH=N,...` (every path in `paths` named once) -> {path: N}."""
-    if "=" not in text:
-        n = _positive(text)
-        return {p: n for p in paths}
-    chunks = {}
-    for part in text.split(","):
-        path, _, n = part.partition("=")
-        if path not in ("legacy", "batched"):
-            raise ValueError(f"{path!r} is not a step path (legacy, batched)")
-        if path in chunks:
-            raise ValueError(f"{path} is given twice")
-        chunks[path] = _positive(n)
-    missing = [p for p in paths if p not in chunks]
-    if missing:
-        raise ValueError(f"no chunk for {', '.join(missing)}")
-    return chunks
-
-
-def _positive(text):
-    try:
-        n = int(text)
-    except ValueError:
-        raise ValueError(f"{text!r} is not a count") from None
-    if n < 1:
-        raise ValueError(f"{n} is not a positive count")
-    return n
-
-
-def main(argv):
-    parser = argparse.ArgumentParser(
-        prog="bench-step-account", description=__doc__.split("\n\n")[0],
-        epilog="See python/dflash_orch/account.py for the counting and the roofline.")
-    parser.add_argument("--seq-lens", default="8192,2048",
-                        help="sequence lengths of the micro-batches, comma-separated (default "
-                             "8192,2048; each divides the budget 49,152 into equal sequences)")
-    parser.add_argument("--paths", default="legacy,batched",
-                        help="drafter step paths to count, comma-separated (legacy, batched)")
-    parser.add_argument("--anchor-chunk", default=DEFAULT_CHUNKS,
-                        help="anchors computed at once: N for every path, or PATH=N,... "
-                             f"(default {DEFAULT_CHUNKS}: what `launch --anchor-chunk auto` "
-                             "picked for the torch drafter at these settings on an H200 before "
-                             "it sized chunks from the GPU's memory, and what it picks now: an "
-                             "8,192-token micro-batch's 6 x 512 anchors in one pass, a "
-                             "2,048-token one's in 4 chunks of 6 sequences)")
-    parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
-    args = parser.parse_args(argv)
-    try:
-        lens = [int(x) for x in args.seq_lens.split(",")]
-    except ValueError:
-        parser.error(f"--seq-lens {args.seq_lens!r}: expected integers separated by commas")
-    for n in lens:
-        if not ANCHORS + 16 <= n <= BUDGET:
-            parser.error(f"--seq-lens: {n} is outside {ANCHORS + 16}..{BUDGET} (512 anchors "
-                         "need room, a sequence fits the budget)")
-    paths = args.paths.split(",")
-    for p in paths:
-        if p not in ("legacy", "batched"):
-            parser.error(f"--paths: {p!r} is not a step path (legacy, batched)")
-    try:
-        chunks = parse_chunks(args.anchor_chunk, paths)
-    except ValueError as e:
-        parser.error(f"--anchor-chunk {args.anchor_chunk!r}: {e}")
+def run(lens, paths, chunks, as_json):
+    """Counts each path at each sequence length and prints the tables (or JSON); 0."""
     results, targets, topologies = {}, {}, {}
     for n in lens:
         for p in paths:
@@ -644,7 +578,7 @@ def main(argv):
         for p in paths:
             topologies[f"{p} {n}"] = topology(targets[f"packed target {n}"]["step_s"],
                                               results[f"{p} {n}"]["step_s"])
-    if args.json:
+    if as_json:
         print(json.dumps({"drafter": results, "target": targets, "topology": topologies},
                          indent=1))
         return 0
@@ -658,6 +592,13 @@ def main(argv):
         print(f"| {key} | {t['default_tokens_per_s']:,.0f} | {t['best']} | "
               f"{t['best_tokens_per_s']:,.0f} |")
     return 0
+
+
+def main(argv):
+    """`python -m dflash_orch.account`: the options are checked in `account_cli`."""
+    from .account_cli import main as cli
+
+    return cli(argv)
 
 
 if __name__ == "__main__":

@@ -338,9 +338,10 @@ fn the_torch_generate_decodes_a_batch_as_each_prompt_alone() {
 /// The engines train alike, from the same plan and initial weights: the torch drafter's per-step
 /// losses (torch target too) and a mixed run's (torch target, candle drafter) equal the
 /// candle-only run's within 1e-4 relative over 60 steps (the torch drafter with its chains
-/// compiled, the torch targets packed); so do they with distillation mixed in,
-/// gamma, two drafter layers, accumulation and anchor chunks, and with the torch drafter's loss
-/// in checkpointed pieces of rows. Anchors, loss weights and layer ids are decided in Rust for both engines, and every step the drafter worker checks the torch
+/// compiled, the torch targets packed); so do the torch drafter's with distillation mixed in,
+/// gamma, two drafter layers, accumulation and anchor chunks, its loss in checkpointed pieces of
+/// rows; with D-PACE; and with distillation weighed by D-PACE. Anchors, loss weights and layer
+/// ids are decided in Rust for both engines, and every step the drafter worker checks the torch
 /// engine's loss weight against its own, so a drift in the block mask or gamma fails a run; a
 /// drift in the attention's mask or the model fails these comparisons.
 #[test]
@@ -446,17 +447,15 @@ fn the_engines_train_alike_from_the_same_plan() {
         "--anchor-chunk",
         "5",
     ];
+    // On torch with the loss in pieces of 7 block positions, each checkpointed (its logits
+    // recomputed in the backward pass), as a large vocabulary's is: the same losses. (The loss
+    // in one piece runs above, and for D-PACE below.)
     let candle = dir.path().join("candle-mix");
-    let torch = dir.path().join("torch-mix");
     finish(
         launch(&candle, &target, "candle", &variant)
             .spawn()
             .unwrap(),
     );
-    finish(launch(&torch, &target, "torch", &variant).spawn().unwrap());
-    assert_losses_agree(&losses(&torch), &losses(&candle), 30, 1e-4);
-    // The loss in pieces of 7 block positions, each checkpointed (its logits recomputed in the
-    // backward pass), as a large vocabulary's is: the same losses.
     let pieces = dir.path().join("torch-mix-pieces");
     finish(
         launch(&pieces, &target, "torch", &variant)
@@ -466,8 +465,7 @@ fn the_engines_train_alike_from_the_same_plan() {
     );
     assert_losses_agree(&losses(&pieces), &losses(&candle), 30, 1e-4);
 
-    // D-PACE, with anchor chunks, and on torch with the loss in checkpointed pieces of rows
-    // that cut through blocks (the weights are made per whole block): one epoch, 30 steps.
+    // D-PACE, with anchor chunks, the loss in one piece: one epoch, 30 steps.
     let dpace = [
         "--epochs",
         "1",
@@ -487,7 +485,6 @@ fn the_engines_train_alike_from_the_same_plan() {
     );
     finish(
         launch(&torch_dpace, &target, "torch", &dpace)
-            .env("DFLASH_LOSS_ROWS", "7")
             .spawn()
             .unwrap(),
     );
@@ -502,7 +499,9 @@ fn the_engines_train_alike_from_the_same_plan() {
     );
 
     // Distillation weighed by D-PACE (the weights from the drafter's probabilities of the
-    // data's tokens), on both engines: the same losses, and not dpace's.
+    // data's tokens), on both engines, on torch with the loss in checkpointed pieces of rows that
+    // cut through blocks (the weights are made per whole block): the same losses, and not
+    // dpace's.
     let kd_dpace = [
         "--epochs",
         "1",
@@ -678,11 +677,12 @@ fn the_dry_run_plans_the_torch_workers() {
     );
 }
 
-/// The GPU check's launcher (`scripts/gpu-check --cpu`, its drafter step: the candle bench and
-/// `dflash_orch.bench_step` in Python children, eager and compiled, the compiled step twice in
-/// two processes with the same losses), run from a directory where another user planted
-/// modules that `PYTHONPATH` names too: the check passes and none of them runs, in the check's
-/// own Python or in its children.
+/// The GPU check's launcher (`scripts/gpu-check --cpu`, the steps that run Python children: the
+/// drafter step, with the candle bench and `dflash_orch.bench_step` eager and compiled, the
+/// compiled step twice in two processes with the same losses, and the target step), run from a
+/// directory where another user planted modules that `PYTHONPATH` names too: the check passes
+/// and none of them runs, in the check's own Python or in its children. (The candle launch and
+/// the copy bench, which start no Python, are skipped: `gpu-check --cpu` runs them for a person.)
 #[test]
 fn the_gpu_checks_pythons_import_nothing_planted() {
     let dir = tempfile::tempdir().unwrap();
@@ -697,7 +697,10 @@ fn the_gpu_checks_pythons_import_nothing_planted() {
         .args(
             [
                 "environment",
+                "copy",
                 "nvml",
+                "model",
+                "dflash",
                 "serve",
                 "crash_resume",
                 "pytorch",
@@ -715,6 +718,7 @@ fn the_gpu_checks_pythons_import_nothing_planted() {
     assert!(out.status.success(), "{stderr}");
     let summary: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(summary["steps"]["drafter_step"]["ok"], true, "{summary}");
+    assert_eq!(summary["steps"]["target_step"]["ok"], true, "{summary}");
     // The compiled drafter step, run again in another process (on CPUs from the first one's
     // caches, as a restarted drafter loads them), computes the same losses to the bit.
     assert_eq!(
@@ -1400,14 +1404,17 @@ fn qwen3_end_to_end_on_torch_and_the_official_package_agrees() {
     official_agrees(dir.path(), &target, &demo);
 }
 
-/// The DFlash2 demos: 100 conversations (5 held out), without the untrained drafter's eval.
-/// A DFlash2 drafter trains several times slower than a DFlash one on a CPU; at 100
-/// conversations it still reaches τ above 8 on these targets.
-const DFLASH2: [&str; 5] = [
+/// The DFlash2 demos: 100 conversations (5 held out), five epochs, without the untrained
+/// drafter's eval. A DFlash2 drafter trains several times slower than a DFlash one on a CPU; so
+/// trained it reaches τ 13.4 on the Qwen3 target and 7.0 on the Llama one (ten epochs: 11.0
+/// and 8.2).
+const DFLASH2: [&str; 7] = [
     "--drafter-arch",
     "dflash2",
     "--samples",
     "100",
+    "--epochs",
+    "5",
     "--no-baseline",
 ];
 
@@ -1496,7 +1503,9 @@ fn qwen3_dflash2_end_to_end_on_torch_and_the_official_package_agrees() {
     );
 }
 
-/// The same on a Llama target.
+/// The same on a Llama target with llama3 RoPE scaling: the official package agrees on a target
+/// other than Qwen3. (The DFlash drafter is checked by it on Qwen3; the drafters differ in their
+/// layers, not in what they take from the target: its features, embedding, head and RoPE base.)
 #[test]
 fn llama_dflash2_end_to_end_on_torch_and_the_official_package_agrees() {
     let dir = tempfile::tempdir().unwrap();
@@ -1541,21 +1550,6 @@ fn dflash2_checkpoint(demo: &Value) {
         let t = tensors.tensor(name).unwrap();
         assert!(t.data().iter().any(|&b| b != 0), "{name} never trained");
     }
-}
-
-/// Llama with llama3 RoPE scaling end to end on the torch engine (five epochs), checked by
-/// the official package.
-#[test]
-fn llama_end_to_end_on_torch_and_the_official_package_agrees() {
-    let dir = tempfile::tempdir().unwrap();
-    let target = arch_target(dir.path(), "llama");
-    let demo = torch_demo_with(
-        dir.path(),
-        &target,
-        1.5,
-        &["--no-baseline", "--epochs", "5"],
-    );
-    official_agrees(dir.path(), &target, &demo);
 }
 
 /// Qwen3-MoE end to end on the torch engine (five epochs).
