@@ -559,10 +559,6 @@ def table(results, title):
     return "\n".join(out)
 
 
-# The chunks the paths are counted at by default: the legacy path at the chunk `launch
-# --anchor-chunk auto` picked for the torch drafter at these settings on an H200 before it sized
-# chunks from the GPU's memory (one chunk's activations aimed at 12 GiB, a dense mask counted),
-# the batched path at the one it picks now (`launch --dry-run --gpu-memory 141 --max-len 8192`).
 def run(lens, paths, chunks, as_json):
     """Counts each path at each sequence length and prints the tables (or JSON); 0."""
     results, targets, topologies = {}, {}, {}

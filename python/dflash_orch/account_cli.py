@@ -13,6 +13,10 @@ import argparse
 ANCHORS = 512
 BUDGET = 49152
 
+# The chunks the paths are counted at by default: the legacy path at the chunk `launch
+# --anchor-chunk auto` picked for the torch drafter at these settings on an H200 before it sized
+# chunks from the GPU's memory (one chunk's activations aimed at 12 GiB, a dense mask counted),
+# the batched path at the one it picks now (`launch --dry-run --gpu-memory 141 --max-len 8192`).
 DEFAULT_CHUNKS = "legacy=188,batched=3222"
 
 
