@@ -698,7 +698,7 @@ def step_serve(ctx):
     """generate and eval on the device, with the dflash step's checkpoint."""
     ref = ctx.references.get(None)
     if ctx.model is None or ref is None or ref.proc is None or ref.proc.returncode != 0:
-        raise StepFailed("no checkpoint (the dflash step failed)")
+        raise StepFailed("no checkpoint (the dflash step failed or was skipped)")
     for sub in ("generate", "eval"):
         if sub not in help_text(ctx.orch):
             raise StepFailed(f"this dflash-orch has no {sub} command")
@@ -795,7 +795,7 @@ def step_crash_resume(ctx, engine=None):
     if res["drafter_starts"] < 2:
         raise StepFailed("the drafter was not restarted", **res)
     if not ref_losses:
-        raise StepFailed("no uninterrupted run to compare with (the dflash step failed)", **res)
+        raise StepFailed("no uninterrupted run to compare with (the dflash step failed or was skipped)", **res)
     if res["steps_only_in_reference"] or res["steps_only_here"]:
         raise StepFailed("the two runs have different optimiser steps", **res)
     if res["max_rel_deviation"] is None or res["max_rel_deviation"] > ctx.args.tolerance:
@@ -1380,9 +1380,10 @@ def main():
     ap.add_argument("--seeds-steps", type=int, default=2,
                     help="timed drafter steps at the seeds' shape, after one untimed [default: 2]")
     ap.add_argument("--skip", action="append", default=[],
-                    choices=["environment", "nvml", "serve", "crash_resume", "pytorch", "torch_dflash",
-                             "torch_crash_resume", "drafter_step", "target_step", "topology"],
-                    help="leave a step out (repeatable)")
+                    choices=["environment", "copy", "nvml", "dflash", "serve", "crash_resume", "pytorch",
+                             "torch_dflash", "torch_crash_resume", "drafter_step", "target_step",
+                             "topology"],
+                    help="leave a step out (repeatable; serve and crash_resume need dflash's run)")
     args = ap.parse_args()
     args.samples = args.samples or (192 if args.cpu else 256)
     args.max_len = args.max_len or (512 if args.cpu else 4096)

@@ -699,7 +699,6 @@ fn the_gpu_checks_pythons_import_nothing_planted() {
                 "environment",
                 "copy",
                 "nvml",
-                "model",
                 "dflash",
                 "serve",
                 "crash_resume",
