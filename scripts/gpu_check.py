@@ -1106,7 +1106,7 @@ def step_drafter_step(ctx):
         env = dict(ctx.env)
         if pkg:
             env["PYTHONPATH"] = pkg + os.pathsep + env.get("PYTHONPATH", "")
-        cmd = [ctx.args.python, "-c", BOOTSTRAP, "dflash_orch.account", "--seq-lens", "8192",
+        cmd = [ctx.args.python, "-c", BOOTSTRAP, "dflash_orch.account_cli", "--seq-lens", "8192",
                "--json"]
         try:
             out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ctx.work,
@@ -1160,7 +1160,7 @@ def step_target_step(ctx):
         for name in ("rows", "packed"):
             one[name]["mfu"] = round(one[name]["model_flops_per_s"] / peak, 4) if peak else None
     if not ctx.cpu:
-        cmd = [ctx.args.python, "-c", BOOTSTRAP, "dflash_orch.account", "--json"]
+        cmd = [ctx.args.python, "-c", BOOTSTRAP, "dflash_orch.account_cli", "--json"]
         try:
             acc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ctx.work,
                                  timeout=ctx.remaining(300))

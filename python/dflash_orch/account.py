@@ -1,4 +1,4 @@
-"""`python -m dflash_orch.account [--json] [--seq-lens 8192,2048] [--paths legacy,batched]`:
+"""The counting behind `scripts/bench-step-account` (its command line: `account_cli`):
 what one drafter micro-batch and one target micro-batch of the torch engine execute, counted op
 by op at Qwen3-8B widths, and projected onto an H200 by a stated roofline.
 
@@ -588,14 +588,3 @@ def run(lens, paths, chunks, as_json):
         print(f"| {key} | {t['default_tokens_per_s']:,.0f} | {t['best']} | "
               f"{t['best_tokens_per_s']:,.0f} |")
     return 0
-
-
-def main(argv):
-    """`python -m dflash_orch.account`: the options are checked in `account_cli`."""
-    from .account_cli import main as cli
-
-    return cli(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

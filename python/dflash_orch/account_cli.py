@@ -1,6 +1,7 @@
-"""`scripts/bench-step-account`: what one drafter micro-batch and one target micro-batch of the
-torch engine execute, counted op by op at Qwen3-8B widths, and projected onto an H200 by a stated
-roofline (the counting is `account`).
+"""`scripts/bench-step-account` (`python -m dflash_orch.account_cli [--json] [--seq-lens
+8192,2048] [--paths legacy,batched]`): what one drafter micro-batch and one target micro-batch
+of the torch engine execute, counted op by op at Qwen3-8B widths, and projected onto an H200 by
+a stated roofline (the counting is `account`).
 
 The command line's side, without PyTorch: every option is checked before `account` imports torch
 (seconds), so a bad one is refused at once, with exit status 2 naming it.
@@ -18,6 +19,8 @@ BUDGET = 49152
 # chunks from the GPU's memory (one chunk's activations aimed at 12 GiB, a dense mask counted),
 # the batched path at the one it picks now (`launch --dry-run --gpu-memory 141 --max-len 8192`).
 DEFAULT_CHUNKS = "legacy=188,batched=3222"
+# The drafter step paths counted: the per-sequence one before, the batched one now.
+PATHS = ("legacy", "batched")
 
 
 def parse_chunks(text, paths):
@@ -28,7 +31,7 @@ def parse_chunks(text, paths):
     chunks = {}
     for part in text.split(","):
         path, _, n = part.partition("=")
-        if path not in ("legacy", "batched"):
+        if path not in PATHS:
             raise ValueError(f"{path!r} is not a step path (legacy, batched)")
         if path in chunks:
             raise ValueError(f"{path} is given twice")
@@ -77,7 +80,7 @@ def main(argv):
                          "need room, a sequence fits the budget)")
     paths = args.paths.split(",")
     for p in paths:
-        if p not in ("legacy", "batched"):
+        if p not in PATHS:
             parser.error(f"--paths: {p!r} is not a step path (legacy, batched)")
     try:
         chunks = parse_chunks(args.anchor_chunk, paths)
@@ -86,3 +89,9 @@ def main(argv):
     from . import account  # torch loads here, once the options are known to be good
 
     return account.run(lens, paths, chunks, args.json)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))
